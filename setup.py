@@ -1,0 +1,32 @@
+"""sparse-rl-mega: Sparse-RL (sparse KV rollouts + corrected loss) on Megatron-Core and SGLang.
+
+CPU development venvs are built by ``tools/setup_env.sh`` from exact pins (``requirements/``);
+``pip install -e .[gpu]`` adds the GPU-only pieces on a CUDA machine.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="sparse-rl-mega",
+    version="0.1.0",
+    description="Sparse-RL: RL for LLM reasoning with compressed-KV rollouts and corrected loss",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sparse_rl_mega", "sparse_rl_mega.*", "sglang_patches", "sglang_patches.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "sglang==0.5.23",
+        "mlflow>=3.1",
+        "transformers>=4.51",
+        "math-verify>=0.7",
+        "pyyaml",
+    ],
+    extras_require={
+        # Never installed on CPU: Transformer Engine breaks `import megatron.core` without CUDA.
+        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang-kernel", "flashinfer-python"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={
+        # Loaded by SGLang's load_plugins() inside every engine process (scheduler included).
+        "sglang.srt.plugins": ["sparse_rl_mega_kv = sglang_patches:register"],
+    },
+)

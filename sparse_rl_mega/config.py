@@ -1,0 +1,435 @@
+"""Typed, validated run configuration.
+
+A YAML file loads into :class:`RunConfig`, a tree of dataclasses. Loading checks, before any process
+starts heavy work:
+
+* every key exists (``trainer.stepz`` -> "unknown key trainer.stepz; expected one of ...");
+* every value has the declared type (ints are accepted where floats are expected);
+* values are possible together (TP divides the attention heads, the KV budget exceeds sink + recent
+  window, the world size is divisible by TP x PP, ...).
+
+Every problem raises :class:`ConfigError` whose message names the key path and what was expected.
+Overrides use dotted paths: ``load_config(path, ["trainer.iterations=5"])``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key path and what was expected."""
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+@dataclass
+class ArchConfig:
+    """Transformer shape. Checked against the HF ``config.json`` when the model folder exists."""
+    family: Literal["llama", "qwen2"] = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+
+
+@dataclass
+class TinyModelConfig:
+    """Build a small model locally when ``model.path`` does not exist yet (no hub access needed):
+    a byte-level BPE tokenizer trained on the training prompts and a model warm-started with a few
+    supervised steps on the training set so that RL has a reward signal from the first iteration."""
+    tokenizer_vocab_size: int = 320
+    warmup_sft_steps: int = 150
+    warmup_lr: float = 3e-3
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    create_tiny: Optional[TinyModelConfig] = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Learner layer implementation: "local" (pure torch, CPU and GPU) or "transformer_engine" (GPU).
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8"] = "delayed"
+
+
+@dataclass
+class ParallelConfig:
+    nnodes: int = 1
+    nproc_per_node: int = 2
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class KVCompressionConfig:
+    """Per-request KV eviction during decode (prefill is never compressed).
+
+    Once a request's KV length reaches ``budget + interval`` it is compressed back to ``budget``
+    tokens: ``sink`` first tokens + ``window`` most recent + the policy's choice for the rest."""
+    policy: Literal["none", "streaming"] = "none"
+    budget: int = 512
+    sink: int = 4
+    window: int = 8
+    interval: int = 128
+
+
+@dataclass
+class RolloutConfig:
+    num_engines: int = 1
+    engine_tensor_parallel_size: int = 1
+    placement: Literal["colocated", "separate"] = "colocated"
+    n_samples_per_prompt: int = 8
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.8
+    max_running_requests: Optional[int] = None
+    attention_backend: Optional[str] = None  # None: torch_native on CPU, SGLang's default on GPU
+    kv_compression: KVCompressionConfig = field(default_factory=KVCompressionConfig)
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class CorrectionConfig:
+    """Sparsity correction (method.md). ``rho = exp(clamp(logp_old - logp_sparse, -bound, bound))``."""
+    enabled: bool = True
+    log_ratio_bound: float = 20.0
+    seq_veto_threshold: Optional[float] = 1e-4
+    token_reject_low: Optional[float] = 0.5
+    token_reject_high: Optional[float] = 1.5
+    is_truncate: Optional[float] = 1.5
+    is_batch_normalize: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    loss_agg_mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
+    advantage_std_normalize: bool = True
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    prompts_per_iteration: int = 32
+    shuffle: bool = True
+    seed: int = 1234
+
+
+@dataclass
+class RewardConfig:
+    type: Literal["exact_answer"] = "exact_answer"
+
+
+@dataclass
+class TrainerConfig:
+    iterations: int = 3
+    global_batch_size: int = 256
+    micro_batch_size: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    clip_grad: float = 1.0
+    seed: int = 1234
+    run_dir: str = "runs/default"
+    # After every weight sync, compare the engine's dense logprobs of a fixed sequence with the
+    # learner's and log the largest difference (sync/max_abs_logprob_diff).
+    verify_sync: bool = True
+    sync_bucket_mb: float = 256.0
+    torch_threads: int = 1
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    tracking_uri: Optional[str] = None  # None: sqlite store inside the run folder
+    experiment: str = "sparse-rl-mega"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0  # iterations between saves; 0 = never
+    keep_last: int = 2
+    dir: Optional[str] = None  # None: <run_dir>/checkpoints
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    # ------------------------------------------------------------------ derived layout
+    @property
+    def world_size(self) -> int:
+        return self.parallel.nnodes * self.parallel.nproc_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.data.prompts_per_iteration * self.rollout.n_samples_per_prompt
+
+    @property
+    def optimizer_steps_per_iteration(self) -> int:
+        return self.samples_per_iteration // self.trainer.global_batch_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Load, type-check and validate a YAML config; ``overrides`` are ``dotted.key=yaml_value``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    for item in overrides or []:
+        _apply_override(raw, item)
+    cfg = _build(RunConfig, raw, "", str(path))
+    validate(cfg, str(path))
+    return cfg
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
+    cfg = _build(RunConfig, raw, "", source)
+    validate(cfg, source)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.iterations=5")
+    key, value = item.split("=", 1)
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping (section)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key, source)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping (section), got {value!r}")
+        return _build(tp, value, key + ".", source)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and type(value) is tp:
+        return value
+    raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
+
+
+def _build(cls: type, raw: dict, prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"{source}: unknown key {prefix}{key}; expected one of: {', '.join(names)}")
+    kwargs = {name: _coerce(hints[name], raw[name], prefix + name, source) for name in names if name in raw}
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, source: str, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{source}: {key}: {message}")
+
+
+def validate(cfg: RunConfig, source: str = "<config>") -> None:
+    """Cross-field checks; the first failure raises :class:`ConfigError` naming its key."""
+    a, p, r, kv, t, d = cfg.model.arch, cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.trainer, cfg.data
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    positive = {
+        "model.arch.num_layers": a.num_layers, "model.arch.hidden_size": a.hidden_size,
+        "model.arch.ffn_hidden_size": a.ffn_hidden_size, "model.arch.num_attention_heads": a.num_attention_heads,
+        "model.arch.num_query_groups": a.num_query_groups, "model.arch.vocab_size": a.vocab_size,
+        "parallel.nnodes": p.nnodes, "parallel.nproc_per_node": p.nproc_per_node,
+        "parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
+        "rollout.num_engines": r.num_engines, "rollout.engine_tensor_parallel_size": r.engine_tensor_parallel_size,
+        "rollout.n_samples_per_prompt": r.n_samples_per_prompt, "rollout.max_new_tokens": r.max_new_tokens,
+        "data.prompts_per_iteration": d.prompts_per_iteration, "trainer.iterations": t.iterations,
+        "trainer.global_batch_size": t.global_batch_size, "trainer.micro_batch_size": t.micro_batch_size,
+        "trainer.sync_bucket_mb": t.sync_bucket_mb, "trainer.torch_threads": t.torch_threads,
+    }
+    for key, value in positive.items():
+        _require(value > 0, source, key, f"must be > 0, got {value}")
+
+    _require(bool(cfg.model.path), source, "model.path", "required: an HF model folder (or where to create one)")
+    _require(bool(d.train_path), source, "data.train_path", "required: a jsonl file of prompts and labels")
+    _require(a.hidden_size % a.num_attention_heads == 0, source, "model.arch.hidden_size",
+             f"{a.hidden_size} is not divisible by num_attention_heads={a.num_attention_heads}")
+    _require(a.num_attention_heads % a.num_query_groups == 0, source, "model.arch.num_query_groups",
+             f"{a.num_query_groups} must divide num_attention_heads={a.num_attention_heads}")
+    _require(a.num_attention_heads % tp == 0, source, "parallel.tensor_model_parallel_size",
+             f"TP={tp} must divide model.arch.num_attention_heads={a.num_attention_heads}")
+    _require(a.num_query_groups % tp == 0, source, "parallel.tensor_model_parallel_size",
+             f"TP={tp} must divide model.arch.num_query_groups={a.num_query_groups}")
+    _require(a.ffn_hidden_size % tp == 0, source, "parallel.tensor_model_parallel_size",
+             f"TP={tp} must divide model.arch.ffn_hidden_size={a.ffn_hidden_size}")
+    _require(a.num_layers % pp == 0, source, "parallel.pipeline_model_parallel_size",
+             f"PP={pp} must divide model.arch.num_layers={a.num_layers}")
+    _require(cfg.world_size % (tp * pp) == 0, source, "parallel",
+             f"world size nnodes*nproc_per_node={cfg.world_size} is not divisible by TP*PP={tp * pp}")
+    _require(not p.sequence_parallel or tp > 1, source, "parallel.sequence_parallel",
+             "needs tensor_model_parallel_size > 1")
+    _require(r.engine_tensor_parallel_size <= p.nproc_per_node, source, "rollout.engine_tensor_parallel_size",
+             f"{r.engine_tensor_parallel_size} exceeds the devices of one node (parallel.nproc_per_node="
+             f"{p.nproc_per_node}); an engine's TP group stays within a node")
+    _require(a.num_attention_heads % r.engine_tensor_parallel_size == 0, source,
+             "rollout.engine_tensor_parallel_size",
+             f"{r.engine_tensor_parallel_size} must divide model.arch.num_attention_heads={a.num_attention_heads}")
+    if r.placement == "colocated":
+        need = r.num_engines * r.engine_tensor_parallel_size
+        _require(need <= cfg.world_size, source, "rollout.num_engines",
+                 f"{r.num_engines} colocated engines x TP {r.engine_tensor_parallel_size} = {need} devices "
+                 f"exceed the world size {cfg.world_size}")
+    _require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _require(r.temperature > 0.0, source, "rollout.temperature",
+             f"must be > 0 (RL samples), got {r.temperature}")
+    _require(0.0 < r.mem_fraction_static < 1.0, source, "rollout.mem_fraction_static",
+             f"must be in (0, 1), got {r.mem_fraction_static}")
+
+    if kv.policy != "none":
+        _require(kv.sink >= 0 and kv.window > 0, source, "rollout.kv_compression.window",
+                 f"sink must be >= 0 and window > 0, got sink={kv.sink} window={kv.window}")
+        _require(kv.budget > kv.sink + kv.window, source, "rollout.kv_compression.budget",
+                 f"{kv.budget} must exceed sink + window = {kv.sink} + {kv.window} = {kv.sink + kv.window}")
+        _require(kv.interval > 0, source, "rollout.kv_compression.interval", f"must be > 0, got {kv.interval}")
+
+    c = cfg.algorithm.correction
+    if c.token_reject_low is not None and c.token_reject_high is not None:
+        _require(0 <= c.token_reject_low < 1.0 < c.token_reject_high, source, "algorithm.correction",
+                 f"token rejection bounds must satisfy 0 <= low < 1 < high, got [{c.token_reject_low}, "
+                 f"{c.token_reject_high}]")
+    if c.is_truncate is not None:
+        _require(c.is_truncate >= 1.0, source, "algorithm.correction.is_truncate",
+                 f"must be >= 1, got {c.is_truncate}")
+    if c.seq_veto_threshold is not None:
+        _require(0.0 < c.seq_veto_threshold < 1.0, source, "algorithm.correction.seq_veto_threshold",
+                 f"must be in (0, 1), got {c.seq_veto_threshold}")
+    _require(c.log_ratio_bound > 0, source, "algorithm.correction.log_ratio_bound", "must be > 0")
+    al = cfg.algorithm
+    _require(0 <= al.eps_clip_low < 1 and al.eps_clip_high >= 0, source, "algorithm.eps_clip_low",
+             f"expected 0 <= eps_clip_low < 1 and eps_clip_high >= 0, got {al.eps_clip_low}, {al.eps_clip_high}")
+    _require(r.n_samples_per_prompt >= 2, source, "rollout.n_samples_per_prompt",
+             "GRPO needs at least 2 samples per prompt to form a group baseline")
+
+    dp = cfg.data_parallel_size
+    samples = cfg.samples_per_iteration
+    _require(samples % t.global_batch_size == 0, source, "trainer.global_batch_size",
+             f"{t.global_batch_size} must divide the samples per iteration "
+             f"(data.prompts_per_iteration x rollout.n_samples_per_prompt = {samples})")
+    _require(t.global_batch_size % (dp * t.micro_batch_size) == 0, source, "trainer.global_batch_size",
+             f"{t.global_batch_size} must be divisible by data-parallel size x micro_batch_size = "
+             f"{dp} x {t.micro_batch_size}")
+    _require((t.global_batch_size // dp) % r.n_samples_per_prompt == 0, source, "trainer.global_batch_size",
+             f"each data-parallel rank's share ({t.global_batch_size // dp}) must hold whole GRPO groups of "
+             f"rollout.n_samples_per_prompt={r.n_samples_per_prompt}")
+    _require(t.lr > 0, source, "trainer.lr", f"must be > 0, got {t.lr}")
+    _require(cfg.checkpoint.save_interval >= 0, source, "checkpoint.save_interval", "must be >= 0")
+    _require(cfg.checkpoint.keep_last >= 1, source, "checkpoint.keep_last", "must be >= 1")
+
+    m = cfg.model
+    if m.fp8 is not None:
+        _require(m.transformer_impl == "transformer_engine", source, "model.fp8",
+                 "FP8 needs model.transformer_impl: transformer_engine")
+        _require(m.dtype == "bfloat16", source, "model.fp8", "FP8 training keeps bfloat16 params: set model.dtype")
+    _check_against_hf_config(cfg, source)
+
+
+def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
+    """When the model folder exists, its config.json must agree with ``model.arch``."""
+    hf_config = Path(cfg.model.path) / "config.json"
+    if not hf_config.is_file():
+        _require(cfg.model.create_tiny is not None or not Path(cfg.model.path).exists(), source, "model.path",
+                 f"{cfg.model.path} exists but has no config.json")
+        return
+    hf = json.loads(hf_config.read_text())
+    a = cfg.model.arch
+    expected = {
+        "num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"),
+        "ffn_hidden_size": hf.get("intermediate_size"), "num_attention_heads": hf.get("num_attention_heads"),
+        "num_query_groups": hf.get("num_key_value_heads", hf.get("num_attention_heads")),
+        "vocab_size": hf.get("vocab_size"),
+    }
+    for name, hf_value in expected.items():
+        ours = getattr(a, name)
+        _require(hf_value is None or ours == hf_value, source, f"model.arch.{name}",
+                 f"{ours} disagrees with {hf_config} ({hf_value})")

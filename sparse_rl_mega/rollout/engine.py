@@ -1,0 +1,120 @@
+"""One SGLang rollout engine with the sparse-rl-mega KV patch, and the calls the trainer makes on it.
+
+The engine runs in SGLang's own processes (tokenizer manager here, scheduler and detokenizer
+spawned). KV-compression settings reach the spawned scheduler through the environment (see
+``sglang_patches.settings``); the plugin itself is loaded there through SGLang's entry point.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from sglang_patches.settings import ENV_VAR, EngineKVSettings
+
+
+@dataclass
+class GeneratedSample:
+    """One sampled response. ``logp_sparse[t]`` is the sampler's logprob of ``response_ids[t]``."""
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sparse: list[float]
+    response_text: str
+    finish_reason: str
+
+
+def engine_kv_settings(kv_cfg) -> EngineKVSettings:
+    """Map ``rollout.kv_compression`` of the run config onto the engine's settings."""
+    return EngineKVSettings(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink,
+                            window=kv_cfg.window, interval=kv_cfg.interval)
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, kv: EngineKVSettings, *, dtype: str = "float32", seed: int = 0,
+                 max_total_tokens: Optional[int] = None, max_running_requests: Optional[int] = None,
+                 mem_fraction_static: float = 0.8, attention_backend: Optional[str] = None,
+                 tp_size: int = 1, log_level: str = "error"):
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if not torch.cuda.is_available() else "0")
+        os.environ[ENV_VAR] = kv.to_env()
+        import sglang as sgl
+
+        on_cpu = not torch.cuda.is_available()
+        kwargs = dict(model_path=model_path, dtype=dtype, random_seed=seed, tp_size=tp_size,
+                      mem_fraction_static=mem_fraction_static, log_level=log_level, skip_server_warmup=True,
+                      # the KV patch edits request rows between steps: one page per token, no overlap
+                      page_size=1, disable_overlap_schedule=True)
+        if on_cpu:
+            kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native",
+                          sampling_backend="pytorch", disable_cuda_graph=True)
+        elif attention_backend:
+            kwargs["attention_backend"] = attention_backend
+        if max_total_tokens:
+            kwargs["max_total_tokens"] = max_total_tokens
+        if max_running_requests:
+            kwargs["max_running_requests"] = max_running_requests
+        self.kv = kv
+        self.model_path = model_path
+        self.engine = sgl.Engine(**kwargs)
+        self.weight_version = 0
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> list[GeneratedSample]:
+        """``n_samples`` responses per prompt, groups contiguous (prompt-major order).
+
+        All samples of a prompt are sent in one call so the group's shared prompt is prefilled once
+        and then served from the radix cache."""
+        input_ids, params = [], []
+        for p_index, ids in enumerate(prompts_ids):
+            for s in range(n_samples):
+                input_ids.append(list(ids))
+                sp = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+                if seed is not None:
+                    sp["sampling_seed"] = seed + p_index * n_samples + s
+                params.append(sp)
+        outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        samples = []
+        for k, out in enumerate(outputs):
+            meta = out["meta_info"]
+            token_logprobs = meta["output_token_logprobs"]
+            finish = meta.get("finish_reason") or {}
+            samples.append(GeneratedSample(
+                prompt_index=k // n_samples, prompt_ids=input_ids[k],
+                response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=[float(t[0]) for t in token_logprobs],
+                response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)))
+        return samples
+
+    def dense_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Logprob of ``token_ids[1:]`` given their prefixes, from one (never compressed) prefill."""
+        out = self.engine.generate(input_ids=list(token_ids), sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                   return_logprob=True, logprob_start_len=0)
+        values = [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
+        return [float(v) for v in values[1:]]  # the first token has no prediction
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """Load HF-named tensors bucket by bucket (colocated path); flushes the prefix cache so no
+        KV computed with old weights is reused. Returns the new weight version."""
+        self.engine.begin_weight_update()
+        try:
+            for bucket in buckets:
+                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+        finally:
+            self.engine.end_weight_update()
+        self.engine.flush_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    # ------------------------------------------------------------------ stats and lifetime
+    def kv_stats(self) -> dict:
+        """Engine KV statistics: cumulative eviction counters and the peak pool use since last call."""
+        states = self.engine.get_server_info()["internal_states"]
+        return dict(states[0].get("sparse_rl_kv", {}))
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

@@ -7,6 +7,7 @@ spawned). KV-compression settings reach the spawned scheduler through the enviro
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -24,6 +25,24 @@ class GeneratedSample:
     logp_sparse: list[float]
     response_text: str
     finish_reason: str
+
+
+# torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
+# them (RANK, WORLD_SIZE, MASTER_PORT, ...) when they build their own group and would wait for peers
+# that never come.
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                 "GROUP_WORLD_SIZE", "ROLE_NAME")
+
+
+@contextmanager
+def _without_launcher_env():
+    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def engine_kv_settings(kv_cfg) -> EngineKVSettings:
@@ -57,7 +76,8 @@ class RolloutEngine:
             kwargs["max_running_requests"] = max_running_requests
         self.kv = kv
         self.model_path = model_path
-        self.engine = sgl.Engine(**kwargs)
+        with _without_launcher_env():
+            self.engine = sgl.Engine(**kwargs)
         self.weight_version = 0
 
     # ------------------------------------------------------------------ generation

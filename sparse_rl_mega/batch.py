@@ -1,0 +1,75 @@
+"""The rollout batch: one structure that flows through reward, learner, correction and loss.
+
+All per-token tensors are aligned to *label* positions of the packed sequence
+``input_ids = (prompt + response)[:-1]``, ``labels = (prompt + response)[1:]``, padded to a common
+width ``S``; ``response_mask[i, t]`` is 1 where ``labels[i, t]`` is a sampled response token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+import torch
+
+from sparse_rl_mega.rollout.engine import GeneratedSample
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor        # [N, S] int64
+    labels: torch.Tensor           # [N, S] int64
+    response_mask: torch.Tensor    # [N, S] float32
+    logp_sparse: torch.Tensor      # [N, S] float32, sampler logprobs of labels (0 off-response)
+    rewards: torch.Tensor          # [N] float32
+    group_ids: torch.Tensor        # [N] int64, GRPO group (prompt) of each sequence
+    advantages: Optional[torch.Tensor] = None   # [N] float32
+    logp_old: Optional[torch.Tensor] = None     # [N, S] float32, dense learner logprobs
+    is_weights: Optional[torch.Tensor] = None   # [N, S] float32
+    loss_mask: Optional[torch.Tensor] = None    # [N, S] float32
+    response_texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    def select(self, indices: torch.Tensor | Sequence[int]) -> "RolloutBatch":
+        """Rows ``indices`` of every tensor (lists follow)."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value[idx]
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in idx.tolist()] if value else []
+            else:
+                out[f.name] = value
+        return RolloutBatch(**out)
+
+
+def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], pad_id: int = 0) -> RolloutBatch:
+    """Pack engine samples (groups contiguous) into a :class:`RolloutBatch`."""
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
+    n = len(samples)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(n, width)
+    logp_sparse = torch.zeros(n, width)
+    for i, s in enumerate(samples):
+        full = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        length = full.numel() - 1
+        input_ids[i, :length] = full[:-1]
+        labels[i, :length] = full[1:]
+        start = len(s.prompt_ids) - 1  # label position of the first response token
+        response_mask[i, start:start + len(s.response_ids)] = 1.0
+        logp_sparse[i, start:start + len(s.response_ids)] = torch.tensor(s.logp_sparse, dtype=torch.float32)
+    return RolloutBatch(input_ids=input_ids, labels=labels, response_mask=response_mask, logp_sparse=logp_sparse,
+                        rewards=torch.tensor(list(rewards), dtype=torch.float32),
+                        group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
+                        response_texts=[s.response_text for s in samples],
+                        finish_reasons=[s.finish_reason for s in samples])

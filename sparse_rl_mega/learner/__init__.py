@@ -1,0 +1,1 @@
+"""Megatron-Core learner: model building, HF weight mapping, logprobs, the corrected train step."""

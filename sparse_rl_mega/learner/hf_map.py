@@ -1,0 +1,106 @@
+"""Declarative map between HF (Llama / Qwen2) tensor names and Megatron-Core's canonical names.
+
+Megatron's canonical state (what ``sharded_state_dict()`` describes) stacks every per-layer tensor
+along a leading layer axis: ``decoder.layers.mlp.linear_fc2.weight`` is ``[num_layers, h, ffn]``. Each
+entry below names one canonical tensor, its HF counterpart(s) with a ``{}`` layer placeholder, and
+how the parts combine:
+
+* ``copy``: one HF tensor per layer (or a global tensor);
+* ``qkv``: q/k/v projections interleaved by query group, ``[groups * (q_per_group + 2) * head_dim, ...]``;
+* ``gate_up``: SwiGLU gate and up projections concatenated along dim 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_rl_mega.config import ArchConfig
+
+
+@dataclass(frozen=True)
+class Entry:
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str = "copy"  # copy | qkv | gate_up
+    per_layer: bool = True
+
+
+def entries(arch: ArchConfig) -> list[Entry]:
+    qkv_bias = arch.qkv_bias or arch.family == "qwen2"
+    out = [
+        Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), per_layer=False),
+        Entry("decoder.final_layernorm.weight", ("model.norm.weight",), per_layer=False),
+        Entry("decoder.layers.self_attention.linear_qkv.layer_norm_weight", ("model.layers.{}.input_layernorm.weight",)),
+        Entry("decoder.layers.self_attention.linear_qkv.weight",
+              tuple(f"model.layers.{{}}.self_attn.{p}_proj.weight" for p in "qkv"), kind="qkv"),
+        Entry("decoder.layers.self_attention.linear_proj.weight", ("model.layers.{}.self_attn.o_proj.weight",)),
+        Entry("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.{}.post_attention_layernorm.weight",)),
+        Entry("decoder.layers.mlp.linear_fc1.weight",
+              ("model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"), kind="gate_up"),
+        Entry("decoder.layers.mlp.linear_fc2.weight", ("model.layers.{}.mlp.down_proj.weight",)),
+    ]
+    if qkv_bias:
+        out.append(Entry("decoder.layers.self_attention.linear_qkv.bias",
+                         tuple(f"model.layers.{{}}.self_attn.{p}_proj.bias" for p in "qkv"), kind="qkv"))
+    if not arch.tie_word_embeddings:
+        out.append(Entry("output_layer.weight", ("lm_head.weight",), per_layer=False))
+    return out
+
+
+def _qkv_split_sizes(arch: ArchConfig) -> tuple[int, int, int]:
+    head_dim = arch.hidden_size // arch.num_attention_heads
+    return arch.num_attention_heads // arch.num_query_groups * head_dim, head_dim, head_dim
+
+
+def _fuse(entry: Entry, parts: list[torch.Tensor], arch: ArchConfig) -> torch.Tensor:
+    if entry.kind == "copy":
+        return parts[0]
+    if entry.kind == "gate_up":
+        return torch.cat(parts, dim=0)
+    groups = arch.num_query_groups
+    per_group = [p.reshape(groups, -1, *p.shape[1:]) for p in parts]  # [groups, rows_per_group, ...]
+    return torch.cat(per_group, dim=1).reshape(-1, *parts[0].shape[1:])
+
+
+def _split(entry: Entry, fused: torch.Tensor, arch: ArchConfig) -> list[torch.Tensor]:
+    if entry.kind == "copy":
+        return [fused]
+    if entry.kind == "gate_up":
+        return list(torch.chunk(fused, 2, dim=0))
+    grouped = fused.reshape(arch.num_query_groups, -1, *fused.shape[1:])
+    q, k, v = torch.split(grouped, _qkv_split_sizes(arch), dim=1)
+    return [part.reshape(-1, *fused.shape[1:]) for part in (q, k, v)]
+
+
+def hf_to_mcore(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """HF state dict -> Megatron canonical tensors (per-layer tensors stacked on dim 0)."""
+    out = {}
+    for entry in entries(arch):
+        if not entry.per_layer:
+            out[entry.mcore] = _fuse(entry, [hf[name] for name in entry.hf], arch)
+            continue
+        layers = []
+        for layer in range(arch.num_layers):
+            names = [name.format(layer) for name in entry.hf]
+            missing = [n for n in names if n not in hf]
+            if missing:
+                raise KeyError(f"HF checkpoint lacks {missing[0]} (needed for {entry.mcore})")
+            layers.append(_fuse(entry, [hf[n] for n in names], arch))
+        out[entry.mcore] = torch.stack(layers)
+    return out
+
+
+def mcore_to_hf(full: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """Megatron canonical tensors -> HF state dict (contiguous tensors, HF order)."""
+    out = {}
+    for entry in entries(arch):
+        tensor = full[entry.mcore]
+        if not entry.per_layer:
+            for name, part in zip(entry.hf, _split(entry, tensor, arch)):
+                out[name] = part.contiguous()
+            continue
+        for layer in range(arch.num_layers):
+            for name, part in zip(entry.hf, _split(entry, tensor[layer], arch)):
+                out[name.format(layer)] = part.contiguous()
+    return out

@@ -1,0 +1,85 @@
+"""Build the Megatron-Core GPT model, DDP wrapper and optimizer from the run config.
+
+The layer spec is chosen once here: Transformer Engine's spec (with FP8 if configured) when
+``model.transformer_impl: transformer_engine``, the local (pure torch) spec otherwise. CPU runs use
+the local spec with the shims of :mod:`sparse_rl_mega.learner.cpu_shims`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sparse_rl_mega.config import RunConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_config_kwargs(cfg: RunConfig) -> dict:
+    """Keyword arguments of Megatron's ``TransformerConfig`` for this run (importable without TE)."""
+    a, p, m = cfg.model.arch, cfg.parallel, cfg.model
+    dtype = _DTYPES[m.dtype]
+    kwargs = dict(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads, num_query_groups=a.num_query_groups,
+        kv_channels=a.hidden_size // a.num_attention_heads,
+        normalization="RMSNorm", layernorm_epsilon=a.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=a.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # the loss returns (sum, count): Megatron divides gradients by the count of the whole step
+        calculate_per_token_loss=True,
+        # identical master weights for any TP split (and no CUDA needed to initialise)
+        use_cpu_initialization=not torch.cuda.is_available(),
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+    )
+    if m.fp8 is not None:
+        kwargs.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe)
+    return kwargs
+
+
+def layer_spec(cfg: RunConfig):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if cfg.model.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+@dataclass
+class Learner:
+    """The model chunk of this rank, its DDP wrapper, optimizer and Megatron config."""
+    model: torch.nn.Module  # DDP-wrapped
+    module: torch.nn.Module  # the GPTModel inside
+    optimizer: object
+    config: object
+
+
+def build_learner(cfg: RunConfig) -> Learner:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(**transformer_config_kwargs(cfg))
+    a = cfg.model.arch
+    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=a.vocab_size,
+                   max_sequence_length=a.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+                   post_process=ps.is_pipeline_last_stage(),
+                   share_embeddings_and_output_weights=a.tie_word_embeddings, position_embedding_type="rope",
+                   rotary_base=int(a.rope_theta))
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    config.finalize_model_grads_func = finalize_model_grads
+    t = cfg.trainer
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+        clip_grad=t.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer), [model])
+    return Learner(model=model, module=gpt, optimizer=optimizer, config=config)

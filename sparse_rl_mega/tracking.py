@@ -1,0 +1,67 @@
+"""MLflow tracking (rank 0 only): a local sqlite store inside the run folder unless a tracking URI is
+configured; the whole resolved config is logged as parameters and as a YAML artifact."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from sparse_rl_mega.config import RunConfig
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+def default_tracking_uri(run_dir: str | Path) -> str:
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+class Tracker:
+    """Thin wrapper over one MLflow run; a disabled tracker accepts the same calls and does nothing."""
+
+    def __init__(self, cfg: RunConfig, enabled: bool = True):
+        self.enabled = enabled and cfg.tracking.enabled
+        self.run_id: Optional[str] = None
+        if not self.enabled:
+            return
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        os.environ.setdefault("DO_NOT_TRACK", "true")
+        import mlflow
+
+        self.mlflow = mlflow
+        run_dir = Path(cfg.trainer.run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.tracking_uri = cfg.tracking.tracking_uri or default_tracking_uri(run_dir)
+        mlflow.set_tracking_uri(self.tracking_uri)
+        experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+        if experiment is None:
+            artifacts = (run_dir / "mlartifacts").as_uri() if cfg.tracking.tracking_uri is None else None
+            experiment_id = mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+        else:
+            experiment_id = experiment.experiment_id
+        run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.tracking.run_name)
+        self.run_id = run.info.run_id
+        params = _flatten(cfg.to_dict())
+        items = list(params.items())
+        for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            mlflow.log_params(dict(items[start:start + 100]))
+        mlflow.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.enabled:
+            clean = {k: float(v) for k, v in metrics.items()}
+            self.mlflow.log_metrics(clean, step=step)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.enabled and self.run_id is not None:
+            self.mlflow.end_run(status=status)
+            self.run_id = None

@@ -1,0 +1,292 @@
+"""The Sparse-RL loop, run by every torchrun rank.
+
+One iteration:
+  rollout (rank 0's SGLang engine, KV evicted per request) -> exact-answer reward -> GRPO advantages
+  -> dense ``logp_old`` from the Megatron learner -> correction (veto, token rejection, IS weights)
+  -> optimizer step(s) with the corrected PPO loss -> engine weights resynced from the learner shards
+  -> metrics to MLflow and the console.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from sparse_rl_mega.config import RunConfig
+
+
+def log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{name}_s": value for name, value in self.seconds.items()}
+
+
+def ensure_model(cfg: RunConfig) -> None:
+    """Build the tiny local model on rank 0 when the config asks for it and it is missing."""
+    if Path(cfg.model.path, "config.json").is_file() or cfg.model.create_tiny is None:
+        if not Path(cfg.model.path, "config.json").is_file():
+            raise FileNotFoundError(f"model.path {cfg.model.path}: no HF model folder (config.json) there")
+        return
+    from sparse_rl_mega.models.tiny import build_tiny_model
+
+    build_tiny_model(cfg.model.path, cfg.model.arch, cfg.model.create_tiny, cfg.data.train_path,
+                     cfg.data.prompt_key, cfg.data.label_key, log=log)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.engine = None
+        self.tracker = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from sparse_rl_mega.data.jsonl import PromptDataset
+        from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
+        from sparse_rl_mega.learner.model import build_learner
+        from sparse_rl_mega.learner.weights import load_hf_into_model
+
+        cfg = self.cfg
+        p = cfg.parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                                     pipeline_model_parallel_size=p.pipeline_model_parallel_size)
+        seed_model_parallel_rng(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dataset = PromptDataset(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
+
+        if self.rank == 0:
+            ensure_model(cfg)
+        dist.barrier()
+        self.learner = build_learner(cfg)
+        load_hf_into_model(self.learner.module, cfg.model.path, cfg.model.arch)
+        log(f"[setup] learner TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+            f"DP={self.dp_size}; weights loaded from {cfg.model.path}")
+
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
+            from sparse_rl_mega.tracking import Tracker
+
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            r = cfg.rollout
+            started = time.perf_counter()
+            log(f"[setup] starting SGLang engine (KV policy {r.kv_compression.policy}, "
+                f"budget {r.kv_compression.budget}) ...")
+            self.engine = RolloutEngine(cfg.model.path, engine_kv_settings(r.kv_compression), dtype=cfg.model.dtype,
+                                        seed=cfg.trainer.seed, max_total_tokens=r.max_total_tokens,
+                                        max_running_requests=r.max_running_requests,
+                                        mem_fraction_static=r.mem_fraction_static,
+                                        attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size)
+            log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
+            self.tracker = Tracker(cfg)
+            if self.tracker.enabled:
+                log(f"[setup] MLflow run {self.tracker.run_id} at {self.tracker.tracking_uri}")
+        dist.barrier()
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, iteration: int, timer: PhaseTimer):
+        """Rank 0: generate and score; everyone: receive the packed batch."""
+        from sparse_rl_mega.batch import pack_samples
+        from sparse_rl_mega.reward.exact import exact_answer_reward
+
+        cfg = self.cfg
+        payload = [None]
+        if self.rank == 0:
+            records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
+            prompts_ids = [self.tokenizer(r.prompt)["input_ids"] for r in records]
+            with timer.phase("rollout"):
+                stats_before = self.engine.kv_stats()
+                samples = self.engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt,
+                                               cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                                               cfg.rollout.top_p, seed=cfg.trainer.seed * 100_003 + iteration * 7919)
+                stats_after = self.engine.kv_stats()
+            with timer.phase("reward"):
+                rewards = [exact_answer_reward(s.response_text, records[s.prompt_index].label) for s in samples]
+            batch = pack_samples(samples, rewards, pad_id=self.tokenizer.pad_token_id or 0)
+            response_lens = [len(s.response_ids) for s in samples]
+            evicted = stats_after.get("evicted_tokens", 0) - stats_before.get("evicted_tokens", 0)
+            payload = [(batch, {
+                "reward/mean": float(batch.rewards.mean()),
+                "rollout/response_len_mean": sum(response_lens) / len(response_lens),
+                "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                "kv/evicted_tokens": float(evicted),
+                "kv/evicted_tokens_per_sample": evicted / len(samples),
+                "kv/compactions": float(stats_after.get("compactions", 0) - stats_before.get("compactions", 0)),
+                "kv/freed_slots": float(stats_after.get("freed_slots", 0) - stats_before.get("freed_slots", 0)),
+                "kv/peak_slots_in_use": float(stats_after.get("peak_slots_in_use", 0)),
+                "kv/pool_size": float(stats_after.get("pool_size", 0)),
+            }, samples[0].response_text)]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def local_indices(self, batch_size: int) -> torch.Tensor:
+        """Rows of the rollout batch this DP rank trains on: for optimizer step k, slice r of the
+        k-th global batch. The same global rows form step k for any DP size."""
+        g = self.cfg.trainer.global_batch_size
+        share = g // self.dp_size
+        rows = [torch.arange(k * g + self.dp_rank * share, k * g + (self.dp_rank + 1) * share)
+                for k in range(batch_size // g)]
+        return torch.cat(rows)
+
+    def sync_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]]) -> dict[str, float]:
+        """Push the learner's shards to the engine as HF tensors; optionally check the result."""
+        from sparse_rl_mega.learner.weights import buckets, gather_hf_state_dict
+
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
+        learner_logp = self.probe_logprobs(probe_ids) if probe_ids is not None else None
+        with timer.phase("sync"):
+            hf_state = gather_hf_state_dict(self.learner.module, cfg.model.arch)
+            if self.rank == 0:
+                dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+                if probe_ids is not None:
+                    metrics["sync/pre_sync_max_abs_logprob_diff"] = _max_abs_diff(
+                        self.engine.dense_logprobs(probe_ids), learner_logp)
+                version = self.engine.update_weights(buckets(hf_state, int(cfg.trainer.sync_bucket_mb * 2**20), dtype))
+                metrics["sync/weight_version"] = float(version)
+                metrics["sync/bytes"] = float(sum(t.numel() * t.element_size() for t in hf_state.values()))
+        if self.rank == 0 and probe_ids is not None:
+            metrics["sync/max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids), learner_logp)
+        return metrics
+
+    def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
+        """The learner's dense logprobs of ``probe_ids[1:]`` (every rank takes part)."""
+        from sparse_rl_mega.batch import RolloutBatch
+        from sparse_rl_mega.learner.step import forward_logprobs
+
+        ids = torch.tensor([probe_ids])
+        one = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(1, ids.shape[1] - 1),
+                           logp_sparse=torch.zeros(1, ids.shape[1] - 1), rewards=torch.zeros(1),
+                           group_ids=torch.zeros(1, dtype=torch.long))
+        return forward_logprobs(self.learner, one, 1)[0].tolist()
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        from sparse_rl_mega.algo.advantages import grpo_advantages
+        from sparse_rl_mega.algo.correction import compute_correction
+        from sparse_rl_mega.learner.step import forward_logprobs, train_step
+
+        cfg = self.cfg
+        for iteration in range(cfg.trainer.iterations):
+            timer = PhaseTimer()
+            started = time.perf_counter()
+            batch, metrics, example = self.rollout(iteration, timer)
+            batch.advantages = grpo_advantages(batch.rewards, cfg.rollout.n_samples_per_prompt,
+                                               cfg.algorithm.advantage_std_normalize)
+            local = batch.select(self.local_indices(batch.size))
+            with timer.phase("logp_old"):
+                local.logp_old = forward_logprobs(self.learner, local, cfg.trainer.micro_batch_size)
+            local.is_weights, local.loss_mask, correction_metrics = compute_correction(
+                local.logp_old, local.logp_sparse, local.response_mask, cfg.algorithm.correction, group=self.dp_group)
+            metrics.update(correction_metrics)
+
+            share = cfg.trainer.global_batch_size // self.dp_size
+            step_metrics: list[dict[str, float]] = []
+            with timer.phase("train"):
+                for step in range(cfg.optimizer_steps_per_iteration):
+                    rows = torch.arange(step * share, (step + 1) * share)
+                    step_metrics.append(train_step(self.learner, local.select(rows), cfg.algorithm,
+                                                   cfg.trainer.micro_batch_size, self.dp_group))
+            for key in step_metrics[0]:
+                metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+
+            probe = None
+            if cfg.trainer.verify_sync:
+                # a fixed, fully known sequence: the first sample of this batch (prompt + response)
+                length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
+                probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
+            metrics.update(self.sync_weights(timer, probe))
+
+            if cfg.checkpoint.save_interval and (iteration + 1) % cfg.checkpoint.save_interval == 0:
+                from sparse_rl_mega.learner.checkpoint import save_checkpoint
+
+                with timer.phase("checkpoint"):
+                    ckpt_dir = cfg.checkpoint.dir or str(Path(cfg.trainer.run_dir) / "checkpoints")
+                    save_checkpoint(self.learner, ckpt_dir, iteration + 1, cfg.checkpoint.keep_last)
+
+            metrics.update(timer.metrics())
+            metrics["time/iteration_s"] = time.perf_counter() - started
+            if self.rank == 0:
+                self.tracker.log_metrics(metrics, step=iteration)
+                log(_progress_line(iteration, cfg.trainer.iterations, metrics))
+                log(f"           example response: {example[:100]!r}")
+        log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
+
+    def close(self, ok: bool) -> None:
+        if self.tracker is not None:
+            self.tracker.finish("FINISHED" if ok else "FAILED")
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _max_abs_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        raise RuntimeError(f"logprob lengths differ: engine {len(a)} vs learner {len(b)}")
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
+    return (f"[iter {iteration + 1}/{total}] reward {m['reward/mean']:.3f} | loss {m['train/loss']:+.4f} | "
+            f"veto {m['correction/veto_fraction']:.3f} rej {m['correction/token_rejected_fraction']:.3f} | "
+            f"IS mean {m['correction/is_weight_mean']:.3f} max {m['correction/is_weight_max']:.2f} | "
+            f"k3 {m['mismatch/k3']:.4f} | evicted/sample {m['kv/evicted_tokens_per_sample']:.1f} "
+            f"peak KV {m['kv/peak_slots_in_use']:.0f} | sync diff {m.get('sync/max_abs_logprob_diff', float('nan')):.1e} | "
+            f"{m['time/iteration_s']:.1f} s")
+
+
+def run_training(cfg: RunConfig) -> None:
+    """Entry point for one torchrun rank (``tools/launch.py`` calls it)."""
+    from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
+
+    on_cpu = apply_if_cpu()
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    if cfg.rollout.num_engines != 1 or cfg.rollout.placement != "colocated":
+        raise SystemExit("this build trains with one colocated engine owned by rank 0 "
+                         "(rollout.num_engines: 1, rollout.placement: colocated)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.world_size:
+        raise SystemExit(f"torchrun started {world} processes but the config's parallel section describes "
+                         f"{cfg.world_size} (nnodes x nproc_per_node)")
+    dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    trainer = Trainer(cfg)
+    ok = False
+    try:
+        trainer.setup()
+        trainer.run()
+        ok = True
+    finally:
+        trainer.close(ok)
+        if dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+    sys.stdout.flush()

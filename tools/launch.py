@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Launch a Sparse-RL run from a YAML config.
+
+  torchrun --nproc-per-node N tools/launch.py CONFIG      train (N = parallel.nproc_per_node)
+  python tools/launch.py CONFIG                          single node: starts torchrun itself
+  python tools/launch.py CONFIG --dry-run                validate and print the parallel layout
+
+The config is fully validated before any process starts work; a problem is reported as one line
+naming the key and what was expected, with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sparse_rl_mega.config import ConfigError, RunConfig, load_config  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML run config, e.g. examples/cpu_tiny.yaml")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config, print the layout and exit without starting anything")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value by dotted path (repeatable), e.g. --set trainer.iterations=5")
+    return parser.parse_args(argv)
+
+
+def describe_layout(cfg: RunConfig) -> str:
+    p, r, kv, m = cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.model
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    kv_line = ("dense (no KV compression)" if kv.policy == "none" else
+               f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}), "
+               f"compress every {kv.interval} decode tokens past the budget")
+    precision = m.dtype + (f", FP8 {m.fp8} ({m.fp8_recipe} scaling)" if m.fp8 else "")
+    lines = [
+        f"model      {m.path} ({m.arch.family}, {m.arch.num_layers} layers, hidden {m.arch.hidden_size}, "
+        f"heads {m.arch.num_attention_heads}/{m.arch.num_query_groups} kv)",
+        f"learner    world {cfg.world_size} = {p.nnodes} node(s) x {p.nproc_per_node}; TP {tp} x PP {pp} x DP "
+        f"{cfg.data_parallel_size}; layers {m.transformer_impl}, {precision}",
+        f"rollout    {r.num_engines} engine(s) x TP {r.engine_tensor_parallel_size}, {r.placement}; "
+        f"{cfg.data.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples, "
+        f"max {r.max_new_tokens} new tokens",
+        f"kv         {kv_line}",
+        f"optimizer  {cfg.samples_per_iteration} samples/iteration -> {cfg.optimizer_steps_per_iteration} step(s) of "
+        f"{cfg.trainer.global_batch_size} (micro-batch {cfg.trainer.micro_batch_size}); "
+        f"{cfg.trainer.iterations} iterations",
+        f"tracking   {cfg.tracking.tracking_uri or 'sqlite store in ' + cfg.trainer.run_dir}",
+    ]
+    return "\n".join(lines)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.dry_run:
+        print(describe_layout(cfg))
+        print("config OK (dry run: nothing started)")
+        return 0
+    if not under_torchrun:
+        if cfg.parallel.nnodes > 1:
+            print("config error: parallel.nnodes > 1: start this script with torchrun on every node "
+                  "(see README, 'Running on a cluster')", file=sys.stderr)
+            return 2
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
+                   args.config] + [f"--set={item}" for item in args.overrides]
+        print(describe_layout(cfg), flush=True)
+        return subprocess.call(command)
+    from sparse_rl_mega.trainer import run_training
+
+    run_training(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -126,8 +126,6 @@ class CorrectionConfig:
 class AlgorithmConfig:
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
     loss_agg_mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
     advantage_std_normalize: bool = True
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)

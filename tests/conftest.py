@@ -1,0 +1,102 @@
+"""Shared fixtures. Heavy components are started once per test session:
+
+* ``tiny_model_dir``: a tiny Llama folder built locally (tokenizer + warm-started weights);
+* ``evicting_engine``: one real SGLang engine with StreamingLLM eviction and SGLang's strict idle
+  memory-leak check switched on; shut down when its test module ends;
+* ``e2e_run``: one ``torchrun --nproc-per-node 2`` launch of the training loop (PP=2) whose MLflow
+  store the end-to-end tests read.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+# SGLang checks for leaked KV slots whenever its scheduler goes idle and crashes if any are lost.
+os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
+
+TRAIN_DATA = ROOT / "examples" / "data" / "arith_sums.jsonl"
+ENGINE_KV = dict(policy="streaming", budget=12, sink=2, window=4, interval=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_arch():
+    from sparse_rl_mega.config import ArchConfig
+
+    return ArchConfig(family="llama", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=384, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_arch):
+    import torch
+
+    from sparse_rl_mega.config import TinyModelConfig
+    from sparse_rl_mega.models.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    return build_tiny_model(out, tiny_arch, TinyModelConfig(tokenizer_vocab_size=384, warmup_sft_steps=60),
+                            str(TRAIN_DATA), log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def evicting_engine(tiny_model_dir):
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=2048,
+                           max_running_requests=16)
+    yield engine
+    engine.shutdown()
+
+
+def write_test_config(path: Path, model_dir: Path, run_dir: Path, extra: str = "") -> Path:
+    path.write_text(f"""
+model:
+  path: {model_dir}
+  arch: {{family: llama, num_layers: 4, hidden_size: 64, ffn_hidden_size: 128, num_attention_heads: 4,
+         num_query_groups: 2, vocab_size: 384, max_position_embeddings: 512}}
+parallel: {{nproc_per_node: 2, tensor_model_parallel_size: 1, pipeline_model_parallel_size: 2}}
+rollout:
+  n_samples_per_prompt: 4
+  max_new_tokens: 24
+  max_total_tokens: 2048
+  max_running_requests: 16
+  kv_compression: {{policy: streaming, budget: 12, sink: 2, window: 4, interval: 2}}
+data: {{train_path: {TRAIN_DATA}, prompts_per_iteration: 4}}
+trainer: {{iterations: 2, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
+tracking: {{experiment: e2e-test}}
+{extra}
+""")
+    return path
+
+
+@pytest.fixture(scope="session")
+def e2e_run(tmp_path_factory, tiny_model_dir):
+    """One real training launch: returns (run_dir, completed process)."""
+    work = tmp_path_factory.mktemp("e2e")
+    run_dir = work / "run"
+    config = write_test_config(work / "e2e.yaml", tiny_model_dir, run_dir)
+    env = dict(os.environ)
+    env.pop("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), str(config)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    return run_dir, proc

@@ -1,0 +1,96 @@
+"""Config validation: each bad config fails before any heavy work, naming its key."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparse_rl_mega.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
+
+
+def _write_variant(tmp_path, edit):
+    raw = yaml.safe_load(CPU_TINY.read_text())
+    raw["data"]["train_path"] = str(ROOT / raw["data"]["train_path"])
+    raw["model"]["path"] = str(tmp_path / "no-model-yet")
+    edit(raw)
+    path = tmp_path / "variant.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_examples_load():
+    for name in ("cpu_tiny.yaml", "70b_math.yaml"):
+        cfg = load_config(ROOT / "examples" / name)
+        assert cfg.world_size % (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size) == 0
+
+
+@pytest.mark.parametrize("edit, key, expected", [
+    (lambda r: r["trainer"].update(stepz=3), "trainer.stepz", "unknown key"),
+    (lambda r: r["parallel"].update(tensor_model_parallel_size=3), "parallel.tensor_model_parallel_size",
+     "must divide model.arch.num_attention_heads=4"),
+    (lambda r: r["rollout"]["kv_compression"].update(budget=6), "rollout.kv_compression.budget",
+     "must exceed sink + window"),
+    (lambda r: r["parallel"].update(nproc_per_node=3), "parallel", "not divisible by TP*PP=2"),
+    (lambda r: r["trainer"].update(lr="fast"), "trainer.lr", "expected float"),
+    (lambda r: r["rollout"]["kv_compression"].update(policy="magic"), "rollout.kv_compression.policy", "expected one of"),
+    (lambda r: r["trainer"].update(global_batch_size=12), "trainer.global_batch_size", "must divide the samples"),
+    (lambda r: r["parallel"].update(pipeline_model_parallel_size=3, nproc_per_node=3),
+     "parallel.pipeline_model_parallel_size", "must divide model.arch.num_layers=4"),
+    (lambda r: r["model"].update(fp8="e4m3"), "model.fp8", "transformer_engine"),
+    (lambda r: r["rollout"].update(n_samples_per_prompt=1), "rollout.n_samples_per_prompt", "at least 2"),
+    (lambda r: r["algorithm"]["correction"].update(token_reject_low=1.2), "algorithm.correction", "0 <= low < 1 < high"),
+])
+def test_bad_config_names_key(tmp_path, edit, key, expected):
+    path = _write_variant(tmp_path, edit)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"{key}" in message and expected in message, message
+    assert str(path) in message
+
+
+def test_arch_must_match_existing_hf_config(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 128, '
+                                           '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384}')
+    path = _write_variant(tmp_path, lambda r: r["model"].update(path=str(model_dir)))
+    with pytest.raises(ConfigError, match=r"model\.arch\.num_layers: 4 disagrees"):
+        load_config(path)
+
+
+def test_override_reaches_value_and_is_validated(tmp_path):
+    cfg = load_config(CPU_TINY, ["trainer.iterations=7"])
+    assert cfg.trainer.iterations == 7
+    with pytest.raises(ConfigError, match="trainer.iterations: must be > 0"):
+        load_config(CPU_TINY, ["trainer.iterations=0"])
+
+
+def _launch(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["cpu_tiny.yaml", "70b_math.yaml"])
+def test_dry_run_prints_layout(name):
+    proc = _launch(f"examples/{name}", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "TP" in proc.stdout and "DP" in proc.stdout and "budget" in proc.stdout
+    assert "config OK" in proc.stdout
+
+
+def test_dry_run_of_70b_shows_its_scale():
+    out = _launch("examples/70b_math.yaml", "--dry-run").stdout
+    assert "world 64 = 8 node(s) x 8; TP 8 x PP 4 x DP 2" in out
+    assert "FP8" in out and "transformer_engine" in out and "budget 512" in out
+
+
+def test_unknown_key_exits_nonzero_with_one_line():
+    proc = _launch("examples/cpu_tiny.yaml", "--set", "trainer.stepz=3")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "trainer.stepz" in lines[0], proc.stderr

@@ -15,6 +15,7 @@ env:
 	@bash tools/setup_env.sh $(VENV)
 
 demo: env
+	@echo "(SGLang and Megatron print warnings about CUDA-only features; they are expected on CPU)"
 	$(PY) tools/launch.py examples/cpu_tiny.yaml
 
 test: env

@@ -42,10 +42,10 @@ class PhaseTimer:
 
 def ensure_model(cfg: RunConfig) -> None:
     """Build the tiny local model on rank 0 when the config asks for it and it is missing."""
-    if Path(cfg.model.path, "config.json").is_file() or cfg.model.create_tiny is None:
-        if not Path(cfg.model.path, "config.json").is_file():
-            raise FileNotFoundError(f"model.path {cfg.model.path}: no HF model folder (config.json) there")
+    if Path(cfg.model.path, "config.json").is_file():
         return
+    if cfg.model.create_tiny is None:
+        raise FileNotFoundError(f"model.path {cfg.model.path}: no HF model folder (config.json) there")
     from sparse_rl_mega.models.tiny import build_tiny_model
 
     build_tiny_model(cfg.model.path, cfg.model.arch, cfg.model.create_tiny, cfg.data.train_path,

@@ -84,6 +84,7 @@ rollout:
 data: {{train_path: {TRAIN_DATA}, prompts_per_iteration: 4}}
 trainer: {{iterations: 2, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
 tracking: {{experiment: e2e-test}}
+checkpoint: {{save_interval: 1, keep_last: 1}}
 {extra}
 """)
     return path

@@ -44,3 +44,11 @@ def test_weight_sync_makes_engine_equal_learner(e2e_run):
     before = [m.value for m in client.get_metric_history(run.info.run_id, "sync/pre_sync_max_abs_logprob_diff")]
     assert all(v < 1e-4 for v in after), after
     assert all(v > 1e-3 for v in before), before
+
+
+def test_checkpoint_saved_and_only_last_kept(e2e_run):
+    run_dir, proc = e2e_run
+    assert proc.returncode == 0
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["iter_0000002"]  # save_interval 1, keep_last 1: iteration 1's was removed
+    assert (run_dir / "checkpoints" / "iter_0000002" / "metadata.json").is_file()

@@ -341,6 +341,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              f"TP={tp} must divide model.arch.num_query_groups={a.num_query_groups}")
     _require(a.ffn_hidden_size % tp == 0, source, "parallel.tensor_model_parallel_size",
              f"TP={tp} must divide model.arch.ffn_hidden_size={a.ffn_hidden_size}")
+    _require(a.vocab_size % tp == 0, source, "parallel.tensor_model_parallel_size",
+             f"TP={tp} must divide model.arch.vocab_size={a.vocab_size} (the embedding is split by vocabulary)")
     _require(a.num_layers % pp == 0, source, "parallel.pipeline_model_parallel_size",
              f"PP={pp} must divide model.arch.num_layers={a.num_layers}")
     _require(cfg.world_size % (tp * pp) == 0, source, "parallel",

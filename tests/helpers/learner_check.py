@@ -1,0 +1,70 @@
+"""Run under torchrun by tests/test_learner.py: load an HF folder into Megatron at a given TP/PP,
+gather it back, and compute dense logprobs; rank 0 compares both with transformers and writes JSON.
+
+    torchrun --nproc-per-node 2 tests/helpers/learner_check.py MODEL_DIR TP PP OUT_JSON
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
+
+apply_if_cpu()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def main() -> None:
+    model_dir, tp, pp, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+
+    from sparse_rl_mega.batch import RolloutBatch
+    from sparse_rl_mega.config import config_from_dict
+    from sparse_rl_mega.learner.model import build_learner
+    from sparse_rl_mega.learner.step import forward_logprobs
+    from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model, read_hf_state_dict
+
+    hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = config_from_dict({
+        "model": {"path": model_dir, "arch": {
+            "num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"],
+            "ffn_hidden_size": hf_cfg["intermediate_size"], "num_attention_heads": hf_cfg["num_attention_heads"],
+            "num_query_groups": hf_cfg["num_key_value_heads"], "vocab_size": hf_cfg["vocab_size"],
+            "max_position_embeddings": hf_cfg["max_position_embeddings"], "norm_eps": hf_cfg["rms_norm_eps"]}},
+        "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": tp,
+                     "pipeline_model_parallel_size": pp},
+        "rollout": {"n_samples_per_prompt": 2}, "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 1},
+        "trainer": {"global_batch_size": 2, "micro_batch_size": 1}})
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_model_parallel_rng(0)
+    learner = build_learner(cfg)
+    load_hf_into_model(learner.module, model_dir, cfg.model.arch)
+    gathered = gather_hf_state_dict(learner.module, cfg.model.arch)
+
+    ids = torch.tensor([[3, 9, 27, 81, 50, 7, 11, 13, 2, 5], [8, 6, 4, 2, 1, 3, 5, 7, 9, 10]])
+    batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(2, 9),
+                         logp_sparse=torch.zeros(2, 9), rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long))
+    logp = forward_logprobs(learner, batch, micro_batch_size=1)
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        original = read_hf_state_dict(model_dir)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids[:, :-1]).logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        Path(out_path).write_text(json.dumps({
+            "same_names": sorted(gathered) == sorted(original),
+            "bit_exact": all(torch.equal(gathered[k], original[k]) for k in original if k in gathered),
+            "max_abs_logprob_diff": float((logp - ref).abs().max()),
+        }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -96,8 +96,6 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
     config = write_test_config(work / "e2e.yaml", tiny_model_dir, run_dir)
-    env = dict(os.environ)
-    env.pop("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), str(config)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), str(config)], cwd=ROOT, env=dict(os.environ),
                           capture_output=True, text=True, timeout=900)
     return run_dir, proc

@@ -14,7 +14,8 @@ VENV=${1:-$ROOT/.venv}
 LOCK=$ROOT/requirements/cpu-lock.txt
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 STAMP=$VENV/.sparse_rl_mega.stamp
-PY=${PYTHON:-python3.11}
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "the CPU lock file is for Python 3.11, got " + sys.version'
 
 # The stamp records what was installed; a match means nothing to do.
 want=$(cat "$LOCK" "$CONSTRAINTS" "$ROOT/setup.py" "$ROOT/tools/cpu_shims/sgl_kernel/__init__.py" "$0" | sha256sum | cut -d' ' -f1)

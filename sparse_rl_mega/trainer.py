@@ -160,18 +160,19 @@ class Trainer:
 
         cfg = self.cfg
         metrics: dict[str, float] = {}
-        learner_logp = self.probe_logprobs(probe_ids) if probe_ids is not None else None
+        check = probe_ids is not None
+        learner_logp = self.probe_logprobs(probe_ids) if check else None  # every rank takes part
+        if self.rank == 0 and check:
+            metrics["sync/pre_sync_max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids),
+                                                                          learner_logp)
         with timer.phase("sync"):
             hf_state = gather_hf_state_dict(self.learner.module, cfg.model.arch)
             if self.rank == 0:
                 dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-                if probe_ids is not None:
-                    metrics["sync/pre_sync_max_abs_logprob_diff"] = _max_abs_diff(
-                        self.engine.dense_logprobs(probe_ids), learner_logp)
                 version = self.engine.update_weights(buckets(hf_state, int(cfg.trainer.sync_bucket_mb * 2**20), dtype))
                 metrics["sync/weight_version"] = float(version)
-                metrics["sync/bytes"] = float(sum(t.numel() * t.element_size() for t in hf_state.values()))
-        if self.rank == 0 and probe_ids is not None:
+                metrics["sync/bytes"] = float(sum(t.numel() for t in hf_state.values()) * dtype.itemsize)
+        if self.rank == 0 and check:
             metrics["sync/max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids), learner_logp)
         return metrics
 

@@ -23,7 +23,8 @@ class RolloutBatch:
     rewards: torch.Tensor          # [N] float32
     group_ids: torch.Tensor        # [N] int64, GRPO group (prompt) of each sequence
     advantages: Optional[torch.Tensor] = None   # [N] float32
-    logp_old: Optional[torch.Tensor] = None     # [N, S] float32, dense learner logprobs
+    logp_old: Optional[torch.Tensor] = None     # [N, S] float32, PPO anchor (dense learner, or sampler in bypass)
+    logp_ref: Optional[torch.Tensor] = None     # [N, S] float32, frozen reference model (KL penalty)
     is_weights: Optional[torch.Tensor] = None   # [N, S] float32
     loss_mask: Optional[torch.Tensor] = None    # [N, S] float32
     response_texts: list[str] = field(default_factory=list)

@@ -110,24 +110,74 @@ class RolloutConfig:
     startup_timeout_s: float = 300.0
 
 
+Level = Literal["none", "token", "sequence", "geometric"]
+
+
 @dataclass
 class CorrectionConfig:
-    """Sparsity correction (method.md). ``rho = exp(clamp(logp_old - logp_sparse, -bound, bound))``."""
-    enabled: bool = True
+    """Sparsity correction between the sampler and the dense old policy (docs/algorithm.md).
+
+    ``log rho_t = clamp(logp_old_t - logp_sparse_t, -log_ratio_bound, log_ratio_bound)``. A ``preset``
+    fills every field it names; keys written next to it in YAML override the preset's values."""
+    preset: Literal["sparse_rl", "tis", "icepop", "naive", "bypass", "custom"] = "sparse_rl"
+    # "dense": pi_old is the learner's dense recomputation; "sampler": pi_old := pi_sparse (bypass,
+    # skips the dense forward pass; the mismatch is then neither measured nor corrected)
+    old_policy: Literal["dense", "sampler"] = "dense"
     log_ratio_bound: float = 20.0
-    seq_veto_threshold: Optional[float] = 1e-4
-    token_reject_low: Optional[float] = 0.5
-    token_reject_high: Optional[float] = 1.5
-    is_truncate: Optional[float] = 1.5
+    # importance weights: level of the ratio, then truncate (min(w, U)), clip ([L, U]) or mask (0 outside)
+    is_level: Level = "token"
+    is_mode: Literal["truncate", "clip", "mask"] = "truncate"
+    is_low: Optional[float] = None
+    is_high: Optional[float] = 1.5
     is_batch_normalize: bool = True
+    # rejection (rejected tokens leave numerator and denominator of the loss)
+    seq_veto_threshold: Optional[float] = 1e-4
+    reject_level: Level = "token"
+    reject_low: Optional[float] = 0.5
+    reject_high: Optional[float] = 1.5
+    kl_reject_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_reject_agg: Literal["token", "seq_sum", "seq_mean", "seq_max"] = "token"
+    kl_reject_threshold: Optional[float] = None
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "CorrectionConfig":
+        if name not in CORRECTION_PRESETS:
+            raise ConfigError(f"unknown correction preset {name!r}; expected one of: {', '.join(CORRECTION_PRESETS)}")
+        return cls(**{**CORRECTION_PRESETS[name], "preset": name, **overrides})
+
+
+_NO_CORRECTION = dict(is_level="none", is_batch_normalize=False, seq_veto_threshold=None, reject_level="none",
+                      reject_low=None, reject_high=None, kl_reject_threshold=None)
+CORRECTION_PRESETS: dict[str, dict] = {
+    # the paper: token IS truncated at 1.5 and batch-normalised, token rejection [0.5, 1.5], veto 1e-4
+    "sparse_rl": dict(old_policy="dense", is_level="token", is_mode="truncate", is_low=None, is_high=1.5,
+                      is_batch_normalize=True, seq_veto_threshold=1e-4, reject_level="token", reject_low=0.5,
+                      reject_high=1.5, kl_reject_threshold=None),
+    # truncated importance sampling (token weights capped at 2, no rejection)
+    "tis": dict(_NO_CORRECTION, old_policy="dense", is_level="token", is_mode="truncate", is_low=None, is_high=2.0),
+    # IcePop: token weights kept inside [0.5, 5], zeroed outside (tokens stay in the denominator)
+    "icepop": dict(_NO_CORRECTION, old_policy="dense", is_level="token", is_mode="mask", is_low=0.5, is_high=5.0),
+    # uncorrected sparse rollouts: PPO anchored at the dense pi_old, samples from pi_sparse
+    "naive": dict(_NO_CORRECTION, old_policy="dense"),
+    # the sampler's logprobs serve as pi_old: no dense recomputation, nothing to correct
+    "bypass": dict(_NO_CORRECTION, old_policy="sampler"),
+    # start from the sparse_rl values and change what you need
+    "custom": {},
+}
 
 
 @dataclass
 class AlgorithmConfig:
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
-    loss_agg_mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
+    dual_clip: Optional[float] = None  # c > 1: for A < 0 the token loss is capped at -c * A
+    kl_coef: float = 0.0  # KL(pi_theta || pi_ref) penalty; > 0 keeps a frozen reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     advantage_std_normalize: bool = True
+    # GRPO statistics over every sample of a group (default) or only over those that survive rejection
+    advantage_after_rejection: bool = False
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
@@ -299,6 +349,8 @@ def _build(cls: type, raw: dict, prefix: str, source: str) -> Any:
         if key not in names:
             raise ConfigError(f"{source}: unknown key {prefix}{key}; expected one of: {', '.join(names)}")
     kwargs = {name: _coerce(hints[name], raw[name], prefix + name, source) for name in names if name in raw}
+    if cls is CorrectionConfig:  # the preset fills what the YAML does not say
+        return CorrectionConfig.from_preset(kwargs.pop("preset", "sparse_rl"), **kwargs)
     return cls(**kwargs)
 
 
@@ -373,21 +425,14 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  f"{kv.budget} must exceed sink + window = {kv.sink} + {kv.window} = {kv.sink + kv.window}")
         _require(kv.interval > 0, source, "rollout.kv_compression.interval", f"must be > 0, got {kv.interval}")
 
-    c = cfg.algorithm.correction
-    if c.token_reject_low is not None and c.token_reject_high is not None:
-        _require(0 <= c.token_reject_low < 1.0 < c.token_reject_high, source, "algorithm.correction",
-                 f"token rejection bounds must satisfy 0 <= low < 1 < high, got [{c.token_reject_low}, "
-                 f"{c.token_reject_high}]")
-    if c.is_truncate is not None:
-        _require(c.is_truncate >= 1.0, source, "algorithm.correction.is_truncate",
-                 f"must be >= 1, got {c.is_truncate}")
-    if c.seq_veto_threshold is not None:
-        _require(0.0 < c.seq_veto_threshold < 1.0, source, "algorithm.correction.seq_veto_threshold",
-                 f"must be in (0, 1), got {c.seq_veto_threshold}")
-    _require(c.log_ratio_bound > 0, source, "algorithm.correction.log_ratio_bound", "must be > 0")
+    _validate_correction(cfg.algorithm.correction, source)
     al = cfg.algorithm
     _require(0 <= al.eps_clip_low < 1 and al.eps_clip_high >= 0, source, "algorithm.eps_clip_low",
              f"expected 0 <= eps_clip_low < 1 and eps_clip_high >= 0, got {al.eps_clip_low}, {al.eps_clip_high}")
+    if al.dual_clip is not None:
+        _require(al.dual_clip > 1.0, source, "algorithm.dual_clip", f"must be > 1, got {al.dual_clip}")
+    _require(al.kl_coef >= 0, source, "algorithm.kl_coef", f"must be >= 0, got {al.kl_coef}")
+    _require(al.entropy_coef >= 0, source, "algorithm.entropy_coef", f"must be >= 0, got {al.entropy_coef}")
     _require(r.n_samples_per_prompt >= 2, source, "rollout.n_samples_per_prompt",
              "GRPO needs at least 2 samples per prompt to form a group baseline")
 
@@ -412,6 +457,34 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  "FP8 needs model.transformer_impl: transformer_engine")
         _require(m.dtype == "bfloat16", source, "model.fp8", "FP8 training keeps bfloat16 params: set model.dtype")
     _check_against_hf_config(cfg, source)
+
+
+def _validate_correction(c: CorrectionConfig, source: str) -> None:
+    key = "algorithm.correction"
+    _require(c.log_ratio_bound > 0, source, f"{key}.log_ratio_bound", f"must be > 0, got {c.log_ratio_bound}")
+    if c.is_level != "none":
+        if c.is_mode == "truncate":
+            _require(c.is_high is not None and c.is_high >= 1.0, source, f"{key}.is_high",
+                     f"truncation needs an upper bound >= 1, got {c.is_high}")
+        else:
+            _require(c.is_low is not None and c.is_high is not None and 0 <= c.is_low < 1.0 < c.is_high, source,
+                     f"{key}.is_low", f"{c.is_mode} mode needs 0 <= is_low < 1 < is_high, got [{c.is_low}, {c.is_high}]")
+    if c.reject_level != "none":
+        _require(c.reject_low is not None or c.reject_high is not None, source, f"{key}.reject_level",
+                 f"{c.reject_level} rejection needs reject_low and/or reject_high")
+        _require((c.reject_low is None or c.reject_low < 1.0) and (c.reject_high is None or c.reject_high > 1.0),
+                 source, key, f"rejection bounds must satisfy low < 1 < high, got [{c.reject_low}, {c.reject_high}]")
+        _require(c.reject_low is None or c.reject_low >= 0, source, f"{key}.reject_low", "must be >= 0")
+    if c.seq_veto_threshold is not None:
+        _require(0.0 < c.seq_veto_threshold < 1.0, source, f"{key}.seq_veto_threshold",
+                 f"must be in (0, 1), got {c.seq_veto_threshold}")
+    if c.kl_reject_threshold is not None:
+        _require(c.kl_reject_threshold > 0, source, f"{key}.kl_reject_threshold", "must be > 0")
+    if c.old_policy == "sampler":
+        _require(c.is_level == "none" and c.reject_level == "none" and c.seq_veto_threshold is None
+                 and c.kl_reject_threshold is None, source, f"{key}.old_policy",
+                 "with old_policy: sampler the sampler is pi_old and there is no mismatch to correct: "
+                 "set is_level/reject_level to none and veto/kl thresholds to null (preset bypass)")
 
 
 def _check_against_hf_config(cfg: RunConfig, source: str) -> None:

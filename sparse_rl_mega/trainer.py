@@ -58,6 +58,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.engine = None
         self.tracker = None
+        self.ref_model = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -84,6 +85,11 @@ class Trainer:
         dist.barrier()
         self.learner = build_learner(cfg)
         load_hf_into_model(self.learner.module, cfg.model.path, cfg.model.arch)
+        if cfg.algorithm.kl_coef > 0:  # frozen reference policy = the initial weights
+            from sparse_rl_mega.learner.model import build_reference_model
+
+            self.ref_model = build_reference_model(cfg)
+            load_hf_into_model(self.ref_model, cfg.model.path, cfg.model.arch)
         log(f"[setup] learner TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
             f"DP={self.dp_size}; weights loaded from {cfg.model.path}")
 
@@ -185,7 +191,7 @@ class Trainer:
         one = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(1, ids.shape[1] - 1),
                            logp_sparse=torch.zeros(1, ids.shape[1] - 1), rewards=torch.zeros(1),
                            group_ids=torch.zeros(1, dtype=torch.long))
-        return forward_logprobs(self.learner, one, 1)[0].tolist()
+        return forward_logprobs(self.learner.model, one, 1)[0].tolist()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -194,28 +200,46 @@ class Trainer:
         from sparse_rl_mega.learner.step import forward_logprobs, train_step
 
         cfg = self.cfg
+        algo, correction = cfg.algorithm, cfg.algorithm.correction
+        group_size, mbs = cfg.rollout.n_samples_per_prompt, cfg.trainer.micro_batch_size
         for iteration in range(cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
             batch, metrics, example = self.rollout(iteration, timer)
-            batch.advantages = grpo_advantages(batch.rewards, cfg.rollout.n_samples_per_prompt,
-                                               cfg.algorithm.advantage_std_normalize)
+            if not algo.advantage_after_rejection:
+                batch.advantages = grpo_advantages(batch.rewards, group_size, algo.advantage_std_normalize)
             local = batch.select(self.local_indices(batch.size))
             with timer.phase("logp_old"):
-                local.logp_old = forward_logprobs(self.learner, local, cfg.trainer.micro_batch_size)
-            local.is_weights, local.loss_mask, correction_metrics = compute_correction(
-                local.logp_old, local.logp_sparse, local.response_mask, cfg.algorithm.correction, group=self.dp_group)
-            metrics.update(correction_metrics)
+                if correction.old_policy == "sampler":  # bypass: the sampler is the PPO anchor
+                    local.logp_old = local.logp_sparse.clone()
+                else:
+                    local.logp_old = forward_logprobs(self.learner.model, local, mbs)
+                if self.ref_model is not None:
+                    local.logp_ref = forward_logprobs(self.ref_model, local, mbs)
 
+            # Each optimizer step's global batch is corrected on its own: batch normalisation and the
+            # loss normaliser span exactly the rows of that step on every DP rank.
             share = cfg.trainer.global_batch_size // self.dp_size
-            step_metrics: list[dict[str, float]] = []
-            with timer.phase("train"):
-                for step in range(cfg.optimizer_steps_per_iteration):
-                    rows = torch.arange(step * share, (step + 1) * share)
-                    step_metrics.append(train_step(self.learner, local.select(rows), cfg.algorithm,
-                                                   cfg.trainer.micro_batch_size, self.dp_group))
-            for key in step_metrics[0]:
-                metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+            per_step: list[dict[str, float]] = []
+            for step in range(cfg.optimizer_steps_per_iteration):
+                part = local.select(torch.arange(step * share, (step + 1) * share))
+                part.is_weights, part.loss_mask, step_metrics = compute_correction(
+                    part.logp_old, part.logp_sparse, part.response_mask, correction, group=self.dp_group)
+                if algo.advantage_after_rejection:
+                    part.advantages = grpo_advantages(part.rewards, group_size, algo.advantage_std_normalize,
+                                                      valid=part.loss_mask.sum(dim=1) > 0)
+                step_metrics.update(advantage_metrics(part.advantages, self.dp_group))
+                with timer.phase("train"):
+                    step_metrics.update(train_step(self.learner, part, algo, mbs, self.dp_group))
+                per_step.append(step_metrics)
+            for key in per_step[0]:
+                values = [m[key] for m in per_step]
+                if key.endswith("max"):
+                    metrics[key] = max(values)
+                elif key.endswith("/min"):
+                    metrics[key] = min(values)
+                else:
+                    metrics[key] = sum(values) / len(values)
 
             probe = None
             if cfg.trainer.verify_sync:
@@ -245,6 +269,22 @@ class Trainer:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
+    """Mean, std, min, max and zero fraction of the advantages of a global batch (reduced over DP)."""
+    adv = advantages.double()
+    sums = torch.stack([adv.sum(), adv.pow(2).sum(), torch.tensor(float(adv.numel()), dtype=torch.float64),
+                        (adv == 0).double().sum()])
+    extremes = torch.stack([adv.max(), -adv.min()])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    total, squares, count, zeros = sums.tolist()
+    mean = total / count
+    return {"advantage/mean": mean, "advantage/std": max(squares / count - mean * mean, 0.0) ** 0.5,
+            "advantage/max": float(extremes[0]), "advantage/min": -float(extremes[1]),
+            "advantage/zero_fraction": zeros / count}
 
 
 def _max_abs_diff(a: list[float], b: list[float]) -> float:

@@ -83,6 +83,7 @@ rollout:
   kv_compression: {{policy: streaming, budget: 12, sink: 2, window: 4, interval: 2}}
 data: {{train_path: {TRAIN_DATA}, prompts_per_iteration: 4}}
 trainer: {{iterations: 2, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
+algorithm: {{kl_coef: 0.01, entropy_coef: 0.001, dual_clip: 3.0, correction: {{preset: sparse_rl}}}}
 tracking: {{experiment: e2e-test}}
 checkpoint: {{save_interval: 1, keep_last: 1}}
 {extra}

@@ -1,120 +1,235 @@
-"""Sparsity correction and PPO loss against independent float64 loop implementations."""
+"""Correction, PPO loss and advantages against independent float64 loop implementations."""
 import math
+import os
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from sparse_rl_mega.algo.advantages import grpo_advantages
 from sparse_rl_mega.algo.correction import compute_correction
 from sparse_rl_mega.algo.loss import policy_loss
-from sparse_rl_mega.config import CorrectionConfig
+from sparse_rl_mega.config import CORRECTION_PRESETS, AlgorithmConfig, CorrectionConfig, ConfigError, config_from_dict
 
-PAPER = CorrectionConfig()  # defaults are the paper's reference settings
+B, T = 6, 9
 
 
-def _random_batch(seed=0, batch=6, tokens=9):
+def _batch(seed=0, scale=0.5):
     g = torch.Generator().manual_seed(seed)
-    logp_sparse = -torch.rand(batch, tokens, generator=g) * 3
-    logp_old = logp_sparse + torch.randn(batch, tokens, generator=g) * 0.5
-    logp_old[1, 3] = logp_sparse[1, 3] - 12.0  # rho ~ 6e-6 < 1e-4: sequence 1 is vetoed
-    mask = torch.ones(batch, tokens)
+    logp_sparse = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp_old = logp_sparse + torch.randn(B, T, generator=g, dtype=torch.float64) * scale
+    logp_old[1, 3] = logp_sparse[1, 3] - 12.0  # rho ~ 6e-6: sequence 1 is vetoed by a 1e-4 veto
+    mask = torch.ones(B, T, dtype=torch.float64)
     mask[2, 6:] = 0
     mask[4, 2:] = 0
+    mask[5, :] = 0  # an empty row (all padding)
     return logp_old, logp_sparse, mask
 
 
-def _reference(logp_old, logp_sparse, mask, cfg):
-    """Loops over tokens in float64, written from method.md."""
-    batch, tokens = mask.shape
-    rho = [[math.exp(max(-20, min(20, float(logp_old[i, t]) - float(logp_sparse[i, t])))) for t in range(tokens)]
-           for i in range(batch)]
-    keep = [[0.0] * tokens for _ in range(batch)]
-    weight = [[0.0] * tokens for _ in range(batch)]
-    for i in range(batch):
-        valid = [t for t in range(tokens) if mask[i, t] > 0]
-        vetoed = any(rho[i][t] < cfg.seq_veto_threshold for t in valid)
+# ----------------------------------------------------------------------------- loop reference
+def _div(lr, est):
+    return {"k1": -lr, "k2": 0.5 * lr * lr, "k3": math.exp(lr) - 1 - lr}[est]
+
+
+def _outside(x, low, high):
+    return (low is not None and x < low) or (high is not None and x > high)
+
+
+def reference_correction(logp_old, logp_sparse, mask, c: CorrectionConfig):
+    """Token loops over Python floats, written from the docstring formulas."""
+    weights = [[0.0] * T for _ in range(B)]
+    keep = [[0.0] * T for _ in range(B)]
+    seq_weight = {}
+    for i in range(B):
+        valid = [t for t in range(T) if mask[i, t] > 0]
+        if not valid:
+            continue
+        raw = {t: float(logp_old[i, t] - logp_sparse[i, t]) for t in valid}
+        lr = {t: max(-c.log_ratio_bound, min(c.log_ratio_bound, raw[t])) for t in valid}
+        seq_sum = sum(lr.values())
+        level_value = {"sequence": seq_sum, "geometric": seq_sum / len(valid)}
+        drop = c.seq_veto_threshold is not None and any(math.exp(raw[t]) < c.seq_veto_threshold for t in valid)
+        if c.reject_level in level_value:
+            drop |= _outside(math.exp(level_value[c.reject_level]), c.reject_low, c.reject_high)
+        if c.kl_reject_threshold is not None and c.kl_reject_agg != "token":
+            d = [_div(lr[t], c.kl_reject_estimator) for t in valid]
+            agg = {"seq_sum": abs(sum(d)), "seq_mean": abs(sum(d)) / len(d), "seq_max": max(abs(x) for x in d)}
+            drop |= agg[c.kl_reject_agg] > c.kl_reject_threshold
         for t in valid:
-            inside = cfg.token_reject_low <= rho[i][t] <= cfg.token_reject_high
-            keep[i][t] = 0.0 if vetoed or not inside else 1.0
-            weight[i][t] = min(rho[i][t], cfg.is_truncate)
-    count = sum(1 for i in range(batch) for t in range(tokens) if mask[i, t] > 0)
-    mean = sum(weight[i][t] for i in range(batch) for t in range(tokens)) / count
-    weight = [[w / mean for w in row] for row in weight]
-    return torch.tensor(weight, dtype=torch.float64), torch.tensor(keep, dtype=torch.float64)
+            rejected = c.reject_level == "token" and _outside(math.exp(lr[t]), c.reject_low, c.reject_high)
+            if c.kl_reject_threshold is not None and c.kl_reject_agg == "token":
+                rejected |= abs(_div(lr[t], c.kl_reject_estimator)) > c.kl_reject_threshold
+            keep[i][t] = 0.0 if (drop or rejected) else 1.0
+            if c.is_level == "none":
+                weights[i][t] = 1.0
+                continue
+            log_w = lr[t] if c.is_level == "token" else max(-c.log_ratio_bound,
+                                                              min(c.log_ratio_bound, level_value[c.is_level]))
+            w = math.exp(log_w)
+            if c.is_mode == "truncate":
+                w = min(w, c.is_high)
+            elif c.is_mode == "clip":
+                w = min(max(w, c.is_low), c.is_high)
+            elif _outside(w, c.is_low, c.is_high):
+                w = 0.0
+            weights[i][t] = w
+            seq_weight[i] = w
+    if c.is_level != "none" and c.is_batch_normalize:
+        if c.is_level == "token":
+            flat = [weights[i][t] for i in range(B) for t in range(T) if mask[i, t] > 0]
+        else:
+            flat = list(seq_weight.values())
+        mean = sum(flat) / len(flat)
+        weights = [[w / mean for w in row] for row in weights]
+    return torch.tensor(weights, dtype=torch.float64), torch.tensor(keep, dtype=torch.float64)
 
 
-def test_matches_loop_reference():
-    logp_old, logp_sparse, mask = _random_batch()
-    weights, loss_mask, metrics = compute_correction(logp_old, logp_sparse, mask, PAPER)
-    ref_w, ref_keep = _reference(logp_old, logp_sparse, mask, PAPER)
-    assert torch.allclose(weights.double(), ref_w, atol=1e-5)
-    assert torch.equal(loss_mask.double(), ref_keep)
-    assert loss_mask[1].sum() == 0  # the vetoed sequence
-    assert metrics["correction/veto_fraction"] == pytest.approx(1 / 6)
-    # batch-normalised: mean 1 over the original response tokens
-    assert float((weights * mask).sum() / mask.sum()) == pytest.approx(1.0, abs=1e-6)
+CASES = [
+    CorrectionConfig.from_preset("sparse_rl"),
+    CorrectionConfig.from_preset("tis"),
+    CorrectionConfig.from_preset("icepop"),
+    CorrectionConfig.from_preset("naive"),
+    CorrectionConfig.from_preset("custom", is_level="sequence", is_mode="truncate", is_high=3.0,
+                                 reject_level="sequence", reject_low=0.2, reject_high=5.0),
+    CorrectionConfig.from_preset("custom", is_level="geometric", is_mode="clip", is_low=0.8, is_high=1.2,
+                                 reject_level="geometric", reject_low=0.7, reject_high=1.25, seq_veto_threshold=None),
+    CorrectionConfig.from_preset("custom", is_level="token", is_mode="clip", is_low=0.7, is_high=1.4,
+                                 is_batch_normalize=False, reject_level="none"),
+    CorrectionConfig.from_preset("custom", is_level="sequence", is_mode="mask", is_low=0.1, is_high=4.0,
+                                 reject_level="none", seq_veto_threshold=None),
+] + [
+    CorrectionConfig.from_preset("custom", reject_level="none", kl_reject_estimator=est, kl_reject_agg=agg,
+                                 kl_reject_threshold=thr)
+    for est, agg, thr in [("k1", "token", 0.4), ("k2", "token", 0.1), ("k3", "token", 0.1), ("k1", "seq_sum", 1.0),
+                          ("k2", "seq_mean", 0.1), ("k3", "seq_max", 0.5), ("k3", "seq_sum", 1.5)]
+]
 
 
-def test_identity_when_sampler_equals_old_policy():
-    _, logp, mask = _random_batch(seed=3)
-    weights, loss_mask, metrics = compute_correction(logp.clone(), logp, mask, PAPER)
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.preset}-{c.is_level}-{c.is_mode}-{c.reject_level}-"
+                                                    f"{c.kl_reject_estimator}{c.kl_reject_agg}{c.kl_reject_threshold}")
+def test_matches_loop_reference(cfg):
+    logp_old, logp_sparse, mask = _batch()
+    weights, loss_mask, _ = compute_correction(logp_old, logp_sparse, mask, cfg)
+    ref_w, ref_keep = reference_correction(logp_old, logp_sparse, mask, cfg)
+    assert torch.equal(loss_mask, ref_keep)
+    assert torch.allclose(weights, ref_w, rtol=1e-10, atol=1e-12)
+
+
+def test_reference_cases_are_not_trivial():
+    """Each rejection option above rejects something and keeps something on this batch."""
+    logp_old, logp_sparse, mask = _batch()
+    for cfg in CASES:
+        if cfg.reject_level == "none" and cfg.kl_reject_threshold is None and cfg.seq_veto_threshold is None:
+            continue
+        _, loss_mask, _ = compute_correction(logp_old, logp_sparse, mask, cfg)
+        assert 0 < loss_mask.sum() < mask.sum(), cfg
+
+
+@pytest.mark.parametrize("preset", list(CORRECTION_PRESETS))
+def test_identity_when_sampler_equals_old_policy(preset):
+    _, logp, mask = _batch(seed=3)
+    weights, loss_mask, metrics = compute_correction(logp.clone(), logp, mask, preset)
     assert torch.equal(weights, mask) and torch.equal(loss_mask, mask)
     assert metrics["correction/veto_fraction"] == 0 and metrics["correction/token_rejected_fraction"] == 0
     assert metrics["mismatch/k3"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_sparse_rl_preset_is_the_paper():
+    c = CorrectionConfig.from_preset("sparse_rl")
+    assert (c.is_level, c.is_mode, c.is_high, c.is_batch_normalize) == ("token", "truncate", 1.5, True)
+    assert (c.reject_level, c.reject_low, c.reject_high, c.seq_veto_threshold) == ("token", 0.5, 1.5, 1e-4)
+    assert c == CorrectionConfig()  # the default is the paper's method
+
+
+def test_yaml_preset_with_override():
+    raw = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl", "prompts_per_iteration": 4},
+           "rollout": {"n_samples_per_prompt": 4}, "trainer": {"global_batch_size": 16},
+           "algorithm": {"correction": {"preset": "tis", "is_high": 3.0}}}
+    c = config_from_dict(raw).algorithm.correction
+    assert (c.preset, c.is_high, c.is_level, c.reject_level) == ("tis", 3.0, "token", "none")
+    raw["algorithm"]["correction"] = {"preset": "bypass", "is_level": "token"}
+    with pytest.raises(ConfigError, match="algorithm.correction.old_policy"):
+        config_from_dict(raw)
+
+
 def test_mismatch_metrics_match_formulas():
-    logp_old, logp_sparse, mask = _random_batch(seed=5)
-    _, _, metrics = compute_correction(logp_old, logp_sparse, mask, PAPER)
-    lr = (logp_old - logp_sparse).double()[mask > 0]
-    k3 = (torch.exp(lr) - 1 - lr).mean()
-    assert metrics["mismatch/k3"] == pytest.approx(float(k3), rel=1e-5)
-    assert metrics["mismatch/k1"] == pytest.approx(float((-lr).mean()), rel=1e-5)
+    logp_old, logp_sparse, mask = _batch(seed=5)
+    _, _, metrics = compute_correction(logp_old, logp_sparse, mask, "naive")
+    lr = (logp_old - logp_sparse).clamp(-20, 20)[mask > 0]
+    assert metrics["mismatch/k1"] == pytest.approx(float((-lr).mean()), rel=1e-9)
+    assert metrics["mismatch/k2"] == pytest.approx(float((0.5 * lr ** 2).mean()), rel=1e-9)
+    assert metrics["mismatch/k3"] == pytest.approx(float((lr.exp() - 1 - lr).mean()), rel=1e-9)
 
 
 def test_vetoed_and_rejected_tokens_get_zero_gradient():
-    logp_old, logp_sparse, mask = _random_batch(seed=1)
-    weights, loss_mask, _ = compute_correction(logp_old, logp_sparse, mask, PAPER)
+    logp_old, logp_sparse, mask = _batch(seed=1)
+    weights, loss_mask, _ = compute_correction(logp_old, logp_sparse, mask, "sparse_rl")
     rejected = (mask > 0) & (loss_mask == 0)
     assert rejected.any() and (loss_mask > 0).any()
     logp_theta = (logp_old + 0.05).clone().requires_grad_(True)
-    advantages = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 0.7])
-    loss_sum, count, _ = policy_loss(logp_theta, logp_old, advantages, weights, loss_mask, eps_clip_low=0.2,
-                                     eps_clip_high=0.2, agg_mode="seq-mean-token-mean")
+    advantages = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 0.7], dtype=torch.float64)
+    algo = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0)
+    entropy = torch.rand(B, T, dtype=torch.float64)
+    loss_sum, count, _ = policy_loss(logp_theta, logp_old, advantages, weights, loss_mask, algo,
+                                     logp_ref=logp_old - 0.1, entropy=entropy)
     (loss_sum / count).backward()
     assert torch.all(logp_theta.grad[rejected] == 0)
-    assert torch.all(logp_theta.grad[1] == 0)  # vetoed sequence
-    assert (logp_theta.grad[loss_mask > 0] != 0).any()
+    assert torch.all(logp_theta.grad[1] == 0)  # the vetoed sequence
+    assert (logp_theta.grad[loss_mask > 0] != 0).all()
 
 
-def test_policy_loss_matches_loop_reference():
+# ----------------------------------------------------------------------------- PPO part
+def _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, w, keep, algo):
+    per_seq, tokens = [], []
+    for i in range(logp_theta.shape[0]):
+        terms = []
+        for t in range(logp_theta.shape[1]):
+            if keep[i, t] == 0:
+                continue
+            r = math.exp(float(logp_theta[i, t] - logp_old[i, t]))
+            a = float(adv[i])
+            pg = max(-r * a, -min(max(r, 1 - algo.eps_clip_low), 1 + algo.eps_clip_high) * a)
+            if algo.dual_clip is not None and a < 0:
+                pg = min(pg, -algo.dual_clip * a)
+            d = float(logp_theta[i, t] - logp_ref[i, t])
+            kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d}[algo.kl_estimator]
+            terms.append(float(w[i, t]) * pg + algo.kl_coef * kl - algo.entropy_coef * float(entropy[i, t]))
+        tokens += terms
+        if terms:
+            per_seq.append((sum(terms) / len(terms), sum(terms)))
+    if algo.loss_agg_mode == "token-mean":
+        return sum(tokens) / len(tokens)
+    if algo.loss_agg_mode == "seq-mean-token-mean":
+        return sum(m for m, _ in per_seq) / len(per_seq)
+    return sum(s for _, s in per_seq) / len(per_seq)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("dual_clip", [None, 2.0])
+def test_policy_loss_matches_loop_reference(agg, kl_estimator, dual_clip):
     g = torch.Generator().manual_seed(7)
-    logp_old = -torch.rand(3, 5, generator=g)
-    logp_theta = logp_old + torch.randn(3, 5, generator=g) * 0.3
-    weights = torch.rand(3, 5, generator=g) + 0.5
-    loss_mask = (torch.rand(3, 5, generator=g) > 0.3).float()
-    adv = torch.tensor([0.8, -1.2, 0.0])
-    for mode in ("seq-mean-token-mean", "token-mean"):
-        loss_sum, count, _ = policy_loss(logp_theta, logp_old, adv, weights, loss_mask, eps_clip_low=0.2,
-                                         eps_clip_high=0.28, agg_mode=mode)
-        per_seq, total, kept = [], 0.0, 0
-        for i in range(3):
-            terms = []
-            for t in range(5):
-                if loss_mask[i, t] == 0:
-                    continue
-                r = math.exp(float(logp_theta[i, t] - logp_old[i, t]))
-                a = float(adv[i])
-                pg = max(-r * a, -min(max(r, 0.8), 1.28) * a) * float(weights[i, t])
-                terms.append(pg)
-            total += sum(terms)
-            kept += len(terms)
-            if terms:
-                per_seq.append(sum(terms) / len(terms))
-        expected = sum(per_seq) / len(per_seq) if mode == "seq-mean-token-mean" else total / kept
-        assert float(loss_sum / count) == pytest.approx(expected, rel=1e-5)
+    shape = (4, 6)
+    logp_old = -torch.rand(shape, generator=g, dtype=torch.float64)
+    logp_theta = logp_old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.6
+    logp_ref = logp_old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
+    entropy = torch.rand(shape, generator=g, dtype=torch.float64)
+    weights = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5
+    keep = (torch.rand(shape, generator=g) > 0.3).double()
+    keep[3] = 0
+    adv = torch.tensor([0.8, -1.2, -3.0, 1.0], dtype=torch.float64)
+    algo = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28, dual_clip=dual_clip, kl_coef=0.07,
+                           kl_estimator=kl_estimator, entropy_coef=0.03, loss_agg_mode=agg)
+    loss_sum, count, stats = policy_loss(logp_theta, logp_old, adv, weights, keep, algo, logp_ref=logp_ref,
+                                         entropy=entropy)
+    expected = _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, weights, keep, algo)
+    assert float(loss_sum / count) == pytest.approx(expected, rel=1e-12)
+    assert 0 < stats["clipped_tokens"] < stats["kept_tokens"]
 
 
+# ----------------------------------------------------------------------------- advantages
 def test_grpo_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     adv = grpo_advantages(rewards, 4)
@@ -123,3 +238,46 @@ def test_grpo_advantages():
     std = math.sqrt(sum((x - mean) ** 2 for x in group) / 3)
     assert adv[0].item() == pytest.approx((1 - mean) / (std + 1e-6), rel=1e-6)
     assert torch.all(adv[4:] == 0)  # a group with equal rewards carries no signal
+    assert grpo_advantages(rewards, 4, std_normalize=False)[0].item() == pytest.approx(0.5)
+
+
+def test_grpo_advantages_after_rejection_use_survivors_only():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    valid = torch.tensor([True, True, False, False])
+    adv = grpo_advantages(rewards, 4, valid=valid)
+    # survivors 1.0 and 0.0: mean 0.5, unbiased std sqrt(0.5)
+    assert adv.tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0.0, 0.0])
+
+
+# ----------------------------------------------------------------------------- data parallel
+def _dp_worker(rank, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    logp_old, logp_sparse, mask = _batch(seed=11, scale=0.3)
+    rows = slice(0, 3) if rank == 0 else slice(3, 6)
+    out = {}
+    for preset in ("sparse_rl", "icepop"):
+        for level in ("token", "sequence"):
+            cfg = CorrectionConfig.from_preset(preset, is_level=level) if preset == "sparse_rl" else preset
+            w, m, metrics = compute_correction(logp_old[rows], logp_sparse[rows], mask[rows], cfg,
+                                               group=dist.group.WORLD)
+            out[f"{preset}-{level}"] = (w, m, metrics)
+    torch.save(out, f"{result_file}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_data_parallel_split_equals_whole_batch():
+    """Batch normalisation and metrics over two gloo ranks equal one process over the whole batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result")
+        mp.spawn(_dp_worker, args=(init_file, result_file), nprocs=2)
+        parts = [torch.load(f"{result_file}.{r}") for r in (0, 1)]
+    logp_old, logp_sparse, mask = _batch(seed=11, scale=0.3)
+    for key in parts[0]:
+        preset, level = key.split("-")
+        cfg = CorrectionConfig.from_preset(preset, is_level=level) if preset == "sparse_rl" else preset
+        w, m, metrics = compute_correction(logp_old, logp_sparse, mask, cfg)
+        assert torch.allclose(torch.cat([parts[0][key][0], parts[1][key][0]]), w, rtol=1e-12, atol=1e-14)
+        assert torch.equal(torch.cat([parts[0][key][1], parts[1][key][1]]), m)
+        for name, value in metrics.items():
+            assert parts[0][key][2][name] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, name)
+            assert parts[1][key][2][name] == parts[0][key][2][name]

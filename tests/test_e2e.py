@@ -7,7 +7,9 @@ from sparse_rl_mega.tracking import default_tracking_uri
 REQUIRED = ["reward/mean", "correction/veto_fraction", "correction/token_rejected_fraction",
             "correction/is_weight_mean", "correction/is_weight_max", "mismatch/k3", "kv/evicted_tokens",
             "kv/peak_slots_in_use", "time/rollout_s", "time/train_s", "time/sync_s", "train/loss",
-            "sync/max_abs_logprob_diff", "sync/pre_sync_max_abs_logprob_diff"]
+            "sync/max_abs_logprob_diff", "sync/pre_sync_max_abs_logprob_diff", "mismatch/k1",
+            "correction/is_ess_fraction", "train/entropy", "train/clip_fraction", "train/approx_kl_old",
+            "advantage/mean", "advantage/std", "advantage/zero_fraction", "train/kl_ref"]
 
 
 def _run(e2e_run):

@@ -1,72 +1,110 @@
-"""PPO-clip policy loss with sparsity-corrected weights and masks.
+"""PPO-clip policy loss with the correction's IS weights and loss mask.
 
-The loss of one micro-batch is returned as ``(loss_sum, normaliser_count)``; the trainer divides by
-the normaliser summed over the whole step (all micro-batches, all data-parallel ranks), so the
-gradient does not depend on how the batch is split.
+Per token, with ``r_t = exp(logp_theta_t - logp_old_t)`` and the sequence advantage ``A``:
+
+    pg_t   = max(-r_t A, -clip(r_t, 1 - eps_low, 1 + eps_high) A)       (for A < 0 and dual clip c:
+                                                                          pg_t = min(pg_t, -c A))
+    loss_t = w_t pg_t + kl_coef KL_t(pi_theta || pi_ref) - entropy_coef H_t
+
+A micro-batch returns ``(loss_sum, count)``; the step loss is ``sum(loss_sum) / sum(count)`` over all
+micro-batches and data-parallel ranks of the step, so the gradient does not depend on the split:
+
+* ``seq-mean-token-mean``: per-sequence mean over kept tokens, summed; count = sequences with kept tokens;
+* ``seq-mean-token-sum``: per-sequence sum over kept tokens, summed; count = sequences with kept tokens;
+* ``token-mean`` (DAPO): sum over kept tokens; count = kept tokens.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from sparse_rl_mega.config import AlgorithmConfig
 
 
 def ppo_token_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                   eps_clip_low: float, eps_clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate ``max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``.
+                   eps_clip_low: float, eps_clip_high: float, dual_clip: Optional[float] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate ``[batch, tokens]`` and where clipping was active (bool).
 
-    Args:
-        logp_theta, logp_old: ``[batch, tokens]``; advantages: ``[batch, 1]`` or ``[batch, tokens]``.
-    Returns:
-        ``pg_loss [batch, tokens]`` and ``clipped [batch, tokens]`` (bool: the clipped branch was taken).
-    """
+    ``advantages`` is ``[batch, 1]`` or ``[batch, tokens]``."""
     ratio = torch.exp((logp_theta - logp_old).clamp(-20.0, 20.0))
     unclipped = -ratio * advantages
-    clipped_loss = -ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high) * advantages
-    pg_loss = torch.maximum(unclipped, clipped_loss)
-    return pg_loss, clipped_loss > unclipped
+    clipped = -ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high) * advantages
+    pg_loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        capped = (advantages < 0) & (pg_loss > cap)
+        pg_loss = torch.where(capped, cap.expand_as(pg_loss), pg_loss)
+        was_clipped = was_clipped | capped
+    return pg_loss, was_clipped
+
+
+def kl_penalty(logp_theta: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) on samples: k1, k2 or k3 (low variance, >= 0)."""
+    log_ratio = (logp_theta - logp_ref).clamp(-20.0, 20.0)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
 def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum part and count part of the step loss for this micro-batch.
-
-    ``seq-mean-token-mean``: sum over sequences of the per-sequence token mean; count = sequences with
-    at least one kept token. ``token-mean``: sum over kept tokens; count = kept tokens.
-    """
+    """``(sum part, count part)`` of this micro-batch's share of the step loss (see module doc)."""
+    masked = token_loss * loss_mask
     if mode == "token-mean":
-        return (token_loss * loss_mask).sum(), loss_mask.sum()
+        return masked.sum(), loss_mask.sum()
+    tokens_per_seq = loss_mask.sum(dim=1)
+    has_tokens = tokens_per_seq > 0
     if mode == "seq-mean-token-mean":
-        tokens_per_seq = loss_mask.sum(dim=1)
-        has_tokens = tokens_per_seq > 0
-        seq_means = (token_loss * loss_mask).sum(dim=1) / tokens_per_seq.clamp(min=1)
-        return (seq_means * has_tokens).sum(), has_tokens.sum().to(token_loss.dtype)
-    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+        per_seq = masked.sum(dim=1) / tokens_per_seq.clamp(min=1)
+    elif mode == "seq-mean-token-sum":
+        per_seq = masked.sum(dim=1)
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}")
+    return (per_seq * has_tokens).sum(), has_tokens.sum().to(token_loss.dtype)
 
 
 def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                is_weights: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip_low: float,
-                eps_clip_high: float, agg_mode: str, logp_ref: torch.Tensor | None = None,
-                kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                is_weights: torch.Tensor, loss_mask: torch.Tensor, algo: AlgorithmConfig,
+                logp_ref: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Corrected PPO loss of one micro-batch.
 
     Args:
-        logp_theta: ``[batch, tokens]`` current learner logprobs (requires grad).
-        logp_old: ``[batch, tokens]`` dense old-policy logprobs.
+        logp_theta: ``[batch, tokens]`` current learner logprobs (carries the gradient).
+        logp_old: ``[batch, tokens]`` logprobs of the PPO anchor (dense pi_old, or the sampler's in bypass).
         advantages: ``[batch]`` sequence advantages.
-        is_weights, loss_mask: ``[batch, tokens]`` from :func:`compute_correction`.
-        logp_ref: optional reference-policy logprobs for a k3 KL penalty with ``kl_coef``.
+        is_weights, loss_mask: ``[batch, tokens]`` from :func:`~sparse_rl_mega.algo.correction.compute_correction`.
+        logp_ref: ``[batch, tokens]`` reference-policy logprobs (needed when ``algo.kl_coef > 0``).
+        entropy: ``[batch, tokens]`` entropy of pi_theta per position (needed when ``algo.entropy_coef > 0``).
     Returns:
-        ``(loss_sum, count, stats)``: the step loss is ``sum(loss_sum) / sum(count)`` over the step;
-        ``stats`` holds detached sums (clipped tokens, kept tokens, approx KL to old) for metrics.
+        ``(loss_sum, count, stats)``; ``stats`` are detached sums over kept tokens for metrics.
     """
-    pg_loss, clipped = ppo_token_loss(logp_theta, logp_old, advantages.unsqueeze(1), eps_clip_low, eps_clip_high)
+    pg_loss, clipped = ppo_token_loss(logp_theta, logp_old, advantages.unsqueeze(1), algo.eps_clip_low,
+                                      algo.eps_clip_high, algo.dual_clip)
     token_loss = pg_loss * is_weights
-    if logp_ref is not None and kl_coef > 0:
-        log_ratio_ref = (logp_ref - logp_theta).clamp(-20.0, 20.0)
-        token_loss = token_loss + kl_coef * (torch.exp(log_ratio_ref) - 1.0 - log_ratio_ref)
-    loss_sum, count = aggregate(token_loss, loss_mask, agg_mode)
+    kl = None
+    if algo.kl_coef > 0:
+        if logp_ref is None:
+            raise ValueError("algorithm.kl_coef > 0 needs reference logprobs")
+        kl = kl_penalty(logp_theta, logp_ref, algo.kl_estimator)
+        token_loss = token_loss + algo.kl_coef * kl
+    if algo.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("algorithm.entropy_coef > 0 needs the per-token entropy")
+        token_loss = token_loss - algo.entropy_coef * entropy
+    loss_sum, count = aggregate(token_loss, loss_mask, algo.loss_agg_mode)
     with torch.no_grad():
         stats = {
             "clipped_tokens": (clipped.float() * loss_mask).sum(),
             "kept_tokens": loss_mask.sum(),
             "approx_kl_old_sum": (0.5 * (logp_theta - logp_old).pow(2) * loss_mask).sum(),
+            "entropy_sum": (entropy * loss_mask).sum() if entropy is not None else torch.zeros(()),
+            "kl_ref_sum": (kl * loss_mask).sum() if kl is not None else torch.zeros(()),
         }
     return loss_sum, count, stats

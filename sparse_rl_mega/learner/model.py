@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from sparse_rl_mega.config import RunConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# float64 is not a config choice (SGLang serves float32/bfloat16): exactness tests set it directly.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def transformer_config_kwargs(cfg: RunConfig) -> dict:
@@ -59,21 +60,42 @@ class Learner:
     config: object
 
 
-def build_learner(cfg: RunConfig) -> Learner:
+def _gpt_model(cfg: RunConfig, config) -> torch.nn.Module:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
+
+    a = cfg.model.arch
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=a.vocab_size,
+                     max_sequence_length=a.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=a.tie_word_embeddings, position_embedding_type="rope",
+                     rotary_base=int(a.rope_theta))
+    if config.params_dtype == torch.float64:
+        # the local spec's torch norms are created in float32; an exactness run wants every weight in float64
+        model = model.to(torch.float64)
+    return model
+
+
+def build_reference_model(cfg: RunConfig) -> torch.nn.Module:
+    """A frozen copy of the policy's architecture for the KL penalty (same TP/PP split, no DDP,
+    no optimizer); the caller loads its weights."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model = _gpt_model(cfg, TransformerConfig(**transformer_config_kwargs(cfg)))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model.eval()
+
+
+def build_learner(cfg: RunConfig) -> Learner:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(**transformer_config_kwargs(cfg))
-    a = cfg.model.arch
-    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=a.vocab_size,
-                   max_sequence_length=a.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
-                   post_process=ps.is_pipeline_last_stage(),
-                   share_embeddings_and_output_weights=a.tie_word_embeddings, position_embedding_type="rope",
-                   rotary_base=int(a.rope_theta))
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    gpt = _gpt_model(cfg, config)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.params_dtype == torch.bfloat16,
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     config.finalize_model_grads_func = finalize_model_grads

@@ -1,8 +1,8 @@
 """Learner passes over a :class:`RolloutBatch`: dense logprobs (forward only) and the corrected
 train step, both through Megatron's pipeline schedule, so they work for any TP/PP/DP layout.
 
-Logprobs come from ``GPTModel(..., labels=...)``, which returns the vocab-parallel cross entropy
-(``-logprob``) of every label without gathering the full vocabulary under TP.
+The last pipeline stage returns vocab-parallel logits; logprobs and entropy come from
+:mod:`sparse_rl_mega.learner.vocab_parallel` without gathering the vocabulary.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from sparse_rl_mega.algo.loss import policy_loss
 from sparse_rl_mega.batch import RolloutBatch
 from sparse_rl_mega.config import AlgorithmConfig
 from sparse_rl_mega.learner.model import Learner
+from sparse_rl_mega.learner.vocab_parallel import logprobs_and_entropy
+
+_LOSS_INPUTS = ("logp_old", "advantages", "is_weights", "loss_mask", "logp_ref")
+REPORT_KEYS = ("loss_sum", "count", "clipped_tokens", "kept_tokens", "approx_kl_old_sum", "entropy_sum", "kl_ref_sum")
 
 
 def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool) -> list[dict]:
@@ -26,86 +30,98 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
         mb = {"input_ids": batch.input_ids[rows], "labels": batch.labels[rows],
               "position_ids": positions.expand(batch.input_ids[rows].shape[0], -1)}
         if with_loss_inputs:
-            mb.update(logp_old=batch.logp_old[rows], advantages=batch.advantages[rows],
-                      is_weights=batch.is_weights[rows], loss_mask=batch.loss_mask[rows])
+            mb.update({name: getattr(batch, name)[rows] for name in _LOSS_INPUTS if getattr(batch, name) is not None})
         out.append(mb)
     return out
 
 
-def _run_schedule(learner: Learner, microbatches: list[dict], loss_fn, width: int, micro_batch_size: int,
+def _run_schedule(model: torch.nn.Module, microbatches: list[dict], loss_fn, width: int, micro_batch_size: int,
                   forward_only: bool) -> list:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        output = model(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"])
-        return output, partial(loss_fn, mb)
+        logits = chunk(mb["input_ids"], mb["position_ids"], None)  # last stage: [b, s, V / tp]
+        return logits, partial(loss_fn, mb)
 
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[learner.model],
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
         num_microbatches=len(microbatches), seq_length=width, micro_batch_size=micro_batch_size,
         forward_only=forward_only)
 
 
-def _pp_last_rank() -> int:
+def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
-    return ps.get_pipeline_model_parallel_last_rank()
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return tensor
 
 
 @torch.no_grad()
-def forward_logprobs(learner: Learner, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
-    """Dense logprobs of ``batch.labels`` ``[N, S]`` (float32), on every rank of the PP group."""
+def forward_logprobs(model: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+    """Dense logprobs of ``batch.labels`` ``[N, S]`` (float32) from ``model`` (a learner's DDP model or a
+    frozen reference model), returned on every rank of the pipeline group."""
     from megatron.core import parallel_state as ps
 
-    def logprob_loss(mb, output):
-        return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logp": -output.detach().float()}
+    def logprob_loss(mb, logits):
+        logp, _ = logprobs_and_entropy(logits, mb["labels"], with_entropy=False)
+        return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logp": logp}
 
-    learner.model.eval()
+    was_training = model.training
+    model.eval()
     mbs = min(micro_batch_size, batch.size)
-    results = _run_schedule(learner, _microbatches(batch, mbs, False), logprob_loss, batch.width, mbs, True)
-    learner.model.train()
+    results = _run_schedule(model, _microbatches(batch, mbs, False), logprob_loss, batch.width, mbs, True)
+    model.train(was_training)
     if ps.is_pipeline_last_stage():
         logp = torch.cat([r["logp"] for r in results], dim=0)
     else:
-        logp = torch.empty(batch.size, batch.width)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(logp, src=_pp_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return logp
+        dtype = torch.promote_types(model.config.params_dtype, torch.float32)
+        logp = torch.empty(batch.size, batch.width, dtype=dtype)
+    return _broadcast_from_last_stage(logp)
+
+
+def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
+                     ) -> torch.Tensor:
+    """Gradients of the corrected loss of one global batch (this DP rank's rows) accumulated into the
+    DDP grad buffers, already reduced over DP and divided by the step's global count. Returns the
+    summed report (see ``REPORT_KEYS``) of this rank's micro-batches (zeros off the last stage)."""
+    def corrected_loss(mb, logits):
+        logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"])  # entropy is also a metric
+        loss_sum, count, stats = policy_loss(logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"],
+                                             mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy)
+        report = torch.stack([loss_sum.detach(), count.detach()] + [stats[k] for k in REPORT_KEYS[2:]])
+        return loss_sum, count.to(torch.int), {"report": report.to(torch.float64)}
+
+    learner.model.zero_grad_buffer()
+    learner.optimizer.zero_grad()
+    results = _run_schedule(learner.model, _microbatches(batch, micro_batch_size, True), corrected_loss,
+                            batch.width, micro_batch_size, False)
+    report = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
+    for r in results:
+        report += r["report"]
+    return report
 
 
 def train_step(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int,
                dp_group: Optional[dist.ProcessGroup]) -> dict[str, float]:
-    """One optimizer step on this data-parallel rank's share of a global batch.
-
-    Each micro-batch returns ``(loss_sum, count)``; Megatron sums the counts over all micro-batches
-    and data-parallel ranks and divides the gradients by that total, so the step's gradient is the
-    same for any split of the global batch. Returns metrics on every rank (from the last PP stage)."""
+    """One optimizer step on this DP rank's share of a global batch; metrics are global (every rank)."""
     from megatron.core import parallel_state as ps
 
-    def corrected_loss(mb, output):
-        logp_theta = -output.float()
-        loss_sum, count, stats = policy_loss(
-            logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"], mb["loss_mask"],
-            eps_clip_low=algo.eps_clip_low, eps_clip_high=algo.eps_clip_high, agg_mode=algo.loss_agg_mode)
-        report = torch.stack([loss_sum.detach(), count.detach(), stats["clipped_tokens"], stats["kept_tokens"],
-                              stats["approx_kl_old_sum"]]).to(torch.float64)
-        return loss_sum, count.to(torch.int), {"report": report}
-
-    learner.model.zero_grad_buffer()
-    learner.optimizer.zero_grad()
-    results = _run_schedule(learner, _microbatches(batch, micro_batch_size, True), corrected_loss, batch.width,
-                            micro_batch_size, False)
+    report = forward_backward(learner, batch, algo, micro_batch_size)
     update_ok, grad_norm, _ = learner.optimizer.step()
-    report = torch.zeros(5, dtype=torch.float64)
-    if ps.is_pipeline_last_stage():
-        for r in results:
-            report += r["report"]
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(report, group=dp_group)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(report, src=_pp_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    loss_sum, count, clipped, kept, kl_sum = report.tolist()
-    return {"train/loss": loss_sum / max(count, 1.0), "train/clip_fraction": clipped / max(kept, 1.0),
-            "train/approx_kl_old": kl_sum / max(kept, 1.0), "train/kept_tokens": kept,
-            "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "train/update_ok": float(bool(update_ok))}
+    if ps.is_pipeline_last_stage() and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(report, group=dp_group)
+    values = dict(zip(REPORT_KEYS, _broadcast_from_last_stage(report).tolist()))
+    kept = max(values["kept_tokens"], 1.0)
+    metrics = {"train/loss": values["loss_sum"] / max(values["count"], 1.0),
+               "train/clip_fraction": values["clipped_tokens"] / kept,
+               "train/approx_kl_old": values["approx_kl_old_sum"] / kept,
+               "train/entropy": values["entropy_sum"] / kept,
+               "train/kept_tokens": values["kept_tokens"],
+               "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+               "train/update_ok": float(bool(update_ok))}
+    if algo.kl_coef > 0:
+        metrics["train/kl_ref"] = values["kl_ref_sum"] / kept
+    return metrics

@@ -487,6 +487,20 @@ def _validate_correction(c: CorrectionConfig, source: str) -> None:
                  "set is_level/reject_level to none and veto/kl thresholds to null (preset bypass)")
 
 
+def arch_from_hf_config(model_dir: str | Path) -> dict:
+    """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines)."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    names = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
+             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+             "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+             "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
+    arch = {ours: hf[theirs] for ours, theirs in names.items() if hf.get(theirs) is not None}
+    arch.setdefault("num_query_groups", arch.get("num_attention_heads"))
+    if hf.get("model_type") in ("llama", "qwen2"):
+        arch["family"] = hf["model_type"]
+    return arch
+
+
 def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
     """When the model folder exists, its config.json must agree with ``model.arch``."""
     hf_config = Path(cfg.model.path) / "config.json"
@@ -494,15 +508,9 @@ def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
         _require(cfg.model.create_tiny is not None or not Path(cfg.model.path).exists(), source, "model.path",
                  f"{cfg.model.path} exists but has no config.json")
         return
-    hf = json.loads(hf_config.read_text())
-    a = cfg.model.arch
-    expected = {
-        "num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"),
-        "ffn_hidden_size": hf.get("intermediate_size"), "num_attention_heads": hf.get("num_attention_heads"),
-        "num_query_groups": hf.get("num_key_value_heads", hf.get("num_attention_heads")),
-        "vocab_size": hf.get("vocab_size"),
-    }
-    for name, hf_value in expected.items():
-        ours = getattr(a, name)
-        _require(hf_value is None or ours == hf_value, source, f"model.arch.{name}",
-                 f"{ours} disagrees with {hf_config} ({hf_value})")
+    hf_arch = arch_from_hf_config(cfg.model.path)
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "vocab_size"):
+        ours = getattr(cfg.model.arch, name)
+        _require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
+                 f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")

@@ -46,7 +46,13 @@ def test_examples_load():
      "must divide model.arch.vocab_size=383"),
     (lambda r: r["model"].update(fp8="e4m3"), "model.fp8", "transformer_engine"),
     (lambda r: r["rollout"].update(n_samples_per_prompt=1), "rollout.n_samples_per_prompt", "at least 2"),
-    (lambda r: r["algorithm"]["correction"].update(token_reject_low=1.2), "algorithm.correction", "0 <= low < 1 < high"),
+    (lambda r: r["algorithm"]["correction"].update(reject_low=1.2), "algorithm.correction", "low < 1 < high"),
+    (lambda r: r["algorithm"]["correction"].update(token_reject_low=0.5), "algorithm.correction.token_reject_low",
+     "unknown key"),
+    (lambda r: r["algorithm"]["correction"].update(preset="magic"), "algorithm.correction.preset", "expected one of"),
+    (lambda r: r["algorithm"]["correction"].update(is_mode="clip"), "algorithm.correction.is_low",
+     "clip mode needs 0 <= is_low < 1 < is_high"),
+    (lambda r: r["algorithm"].update(dual_clip=0.5), "algorithm.dual_clip", "must be > 1"),
 ])
 def test_bad_config_names_key(tmp_path, edit, key, expected):
     path = _write_variant(tmp_path, edit)

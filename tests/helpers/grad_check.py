@@ -7,15 +7,9 @@ Every rank builds the same global batch (8 sequences, 2 GRPO groups) with fixed 
 reference and anchor logprobs around the model's own dense logprobs, so PPO clipping, dual clipping,
 the veto, token rejection, IS truncation, the KL and entropy terms are all active.
 """
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
-
-apply_if_cpu()
+from common import start  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -41,31 +35,15 @@ def synthetic_batch(vocab: int):
 
 def main() -> None:
     model_dir, tp, pp, mbs, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cfg = start(model_dir, tp, pp, GROUP, N, mbs, {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01})
     from megatron.core import parallel_state as ps
 
     from sparse_rl_mega.algo.advantages import grpo_advantages
     from sparse_rl_mega.algo.correction import compute_correction
-    from sparse_rl_mega.config import config_from_dict
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import REPORT_KEYS, forward_backward, forward_logprobs
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model
 
-    hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    world = dist.get_world_size()
-    cfg = config_from_dict({
-        "model": {"path": model_dir, "arch": {
-            "num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"],
-            "ffn_hidden_size": hf_cfg["intermediate_size"], "num_attention_heads": hf_cfg["num_attention_heads"],
-            "num_query_groups": hf_cfg["num_key_value_heads"], "vocab_size": hf_cfg["vocab_size"],
-            "max_position_embeddings": hf_cfg["max_position_embeddings"], "norm_eps": hf_cfg["rms_norm_eps"]}},
-        "parallel": {"nproc_per_node": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
-        "rollout": {"n_samples_per_prompt": GROUP}, "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 2},
-        "algorithm": {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01},
-        "trainer": {"global_batch_size": N, "micro_batch_size": mbs}})
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    seed_model_parallel_rng(0)
     dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
     full = synthetic_batch(cfg.model.arch.vocab_size)
     rows = torch.arange(dp_rank * N // dp, (dp_rank + 1) * N // dp)

@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_learner.py: load an HF folder into Megatron at a given TP/PP,
-gather it back, and compute dense logprobs; rank 0 compares both with transformers and writes JSON.
+gather it back, and compute dense logprobs and entropies; rank 0 compares them with transformers and
+writes JSON.
 
     torchrun --nproc-per-node 2 tests/helpers/learner_check.py MODEL_DIR TP PP OUT_JSON
 """
@@ -7,11 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
-
-apply_if_cpu()
+from common import start  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -19,29 +16,12 @@ import torch.distributed as dist  # noqa: E402
 
 def main() -> None:
     model_dir, tp, pp, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    from megatron.core import parallel_state as ps
-
+    cfg = start(model_dir, tp, pp, group_size=2, global_batch=2, micro_batch=1)
     from sparse_rl_mega.batch import RolloutBatch
-    from sparse_rl_mega.config import config_from_dict
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import forward_logprobs
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model, read_hf_state_dict
 
-    hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = config_from_dict({
-        "model": {"path": model_dir, "arch": {
-            "num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"],
-            "ffn_hidden_size": hf_cfg["intermediate_size"], "num_attention_heads": hf_cfg["num_attention_heads"],
-            "num_query_groups": hf_cfg["num_key_value_heads"], "vocab_size": hf_cfg["vocab_size"],
-            "max_position_embeddings": hf_cfg["max_position_embeddings"], "norm_eps": hf_cfg["rms_norm_eps"]}},
-        "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": tp,
-                     "pipeline_model_parallel_size": pp},
-        "rollout": {"n_samples_per_prompt": 2}, "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 1},
-        "trainer": {"global_batch_size": 2, "micro_batch_size": 1}})
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    seed_model_parallel_rng(0)
     learner = build_learner(cfg)
     load_hf_into_model(learner.module, model_dir, cfg.model.arch)
     gathered = gather_hf_state_dict(learner.module, cfg.model.arch)

@@ -1,0 +1,35 @@
+"""Start-up shared by the torchrun helper scripts: CPU shims, gloo, a config for an HF model folder,
+Megatron's parallel state at the requested TP/PP."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
+
+apply_if_cpu()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def start(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, micro_batch: int,
+          algorithm: dict | None = None):
+    """Initialise this rank and return the validated run config."""
+    from megatron.core import parallel_state as ps
+
+    from sparse_rl_mega.config import arch_from_hf_config, config_from_dict
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = config_from_dict({
+        "model": {"path": model_dir, "arch": arch_from_hf_config(model_dir)},
+        "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": tp,
+                     "pipeline_model_parallel_size": pp},
+        "rollout": {"n_samples_per_prompt": group_size},
+        "data": {"train_path": "unused.jsonl", "prompts_per_iteration": global_batch // group_size},
+        "algorithm": algorithm or {},
+        "trainer": {"global_batch_size": global_batch, "micro_batch_size": micro_batch}})
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_model_parallel_rng(0)
+    return cfg

@@ -1,35 +1,44 @@
 """Per-request KV eviction inside SGLang's scheduler (runs in the spawned scheduler process).
 
 Before each decode step allocates its slot, every request whose cached length reached
-``budget + interval`` is compressed to ``budget`` tokens chosen by a policy of
-``sparse_rl_mega.kv``. For position-only policies (the choice is the same for every layer and head)
-the request's ``req_to_token`` row is compacted:
+``budget + interval`` (and, for policies that score with queries, that has run ``window`` decode
+steps) is compressed to ``budget`` tokens chosen by a policy of ``sparse_rl_mega.kv``:
 
-* evicted slots the request owns (row positions >= ``cache_protected_len``) go back to the allocator;
-  that is the memory the compression saves;
-* evicted slots owned by the radix tree (the shared prompt of a GRPO group) are only dropped from this
-  request's row: the tree and the other samples of the group keep them;
-* ``cache_protected_len``, ``kv_allocated_len``, ``kv_committed_len`` and the batch's ``seq_lens``
-  shrink to the kept length; ``req.skip_radix_cache_insert`` keeps the compacted row out of the tree;
-* the number of evicted tokens is remembered per request and added to its decode positions, so RoPE
-  sees logical positions (kept keys were stored already rotated at their original positions).
+* position-only policies (StreamingLLM) choose the same tokens in every layer: the request's
+  ``req_to_token`` row is compacted in place (no KV data moves);
+* scoring policies (SnapKV, R-KV, H2O) choose per layer (or per KV head): each layer's kept K/V are
+  copied into slots the request owns (its own decode slots, plus fresh ones when a long shared prompt
+  leaves it too few), so the row then holds layer-specific content and the radix tree's slots are
+  never written.
+
+In both cases evicted slots the request owns go back to the allocator (the memory the compression
+saves); evicted slots owned by the radix tree (the GRPO group's shared prompt) are only dropped from
+this request's row; ``req.skip_radix_cache_insert`` keeps the compressed row out of the tree; the
+number of evicted tokens is remembered and added to the request's decode positions so RoPE sees
+logical positions (kept keys were stored already rotated).
+
+Decode queries (post-RoPE, per layer) are recorded by a hook on ``RadixAttention.forward`` into a
+ring of ``window`` per request row; for H2O the hook also adds, after each decode step, the attention
+the step's query paid to every cached key. A retracted request loses this state and restarts dense.
 
 Needs ``page_size=1``, the non-overlap scheduler and no speculative decoding (the engine factory in
 ``sparse_rl_mega.rollout.engine`` sets these).
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress
-from sglang_patches.settings import EngineKVSettings
+from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, decode_attention_mass, should_compress
+from sglang_patches.settings import REQUEST_KEY, EngineKVSettings
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
 OFFSET_ATTR = "_sparse_rl_evicted_positions"
+RETRACTIONS_ATTR = "_sparse_rl_retractions"
 
 
 class EngineKVStats:
@@ -40,6 +49,8 @@ class EngineKVStats:
         self.evicted_tokens = 0
         self.freed_slots = 0
         self.dropped_shared_slots = 0
+        self.copied_tokens = 0
+        self.skipped_no_room = 0
         self.peak_slots_in_use = 0
         self.pool_size = 0
 
@@ -57,69 +68,230 @@ class EngineKVStats:
 STATS = EngineKVStats()
 
 
-class RowCompactor:
-    """Compacts the rows of requests that must be compressed, before a decode allocation."""
+class RowState:
+    """Per ``req_to_token`` row: recorded decode queries (a ring of ``window``) and, for H2O, the
+    attention mass each cached position received. Rows are reused by later requests: the owner is
+    checked before every decode step and a new owner starts empty."""
+
+    def __init__(self, window: int, keep_queries: bool, keep_mass: bool):
+        self.window = window
+        self.keep_queries = keep_queries
+        self.keep_mass = keep_mass
+        self.owner: dict[int, tuple] = {}     # row -> (id(Req), its retraction count)
+        self.steps: dict[int, int] = {}       # row -> decode queries recorded for the owner
+        self.queries: Optional[torch.Tensor] = None  # [rows, layers, window, q_heads, d]
+        self.mass: Optional[torch.Tensor] = None     # [rows, layers, kv_heads, max_len]
+
+    def claim(self, row: int, req: Any) -> None:
+        key = (id(req), getattr(req, RETRACTIONS_ATTR, 0))
+        if self.owner.get(row) != key:
+            self.owner[row] = key
+            self.steps[row] = 0
+            if self.mass is not None:
+                self.mass[row].zero_()
+
+    def ensure_queries(self, rows: int, layers: int, q_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        if self.keep_queries and self.queries is None:
+            self.queries = torch.zeros(rows, layers, self.window, q_heads, head_dim, dtype=dtype, device=device)
+
+    def ensure_mass(self, rows: int, layers: int, kv_heads: int, max_len: int, device) -> None:
+        if self.keep_mass and self.mass is None:
+            self.mass = torch.zeros(rows, layers, kv_heads, max_len, dtype=torch.float32, device=device)
+
+    def window_queries(self, row: int, layer: int, count: int) -> torch.Tensor:
+        """The last ``count`` (<= ring size) queries of ``row`` at ``layer``, oldest first:
+        ``[q_heads, count, d]``."""
+        start = self.steps[row] - count
+        order = [(start + j) % self.window for j in range(count)]
+        return self.queries[row, layer, order].transpose(0, 1)
+
+
+class Compressor:
+    """Compresses the rows of requests that must be compressed, before a decode allocation."""
 
     def __init__(self, settings: EngineKVSettings):
         self.settings = settings
-        self.policy: EvictionPolicy = build_policy(settings.policy, sink=settings.sink, window=settings.window)
-        self.policy.check_budget(settings.budget)
-        if not self.policy.position_only:
-            raise NotImplementedError(
-                f"policy {settings.policy!r} scores keys; the engine patch compacts position-only policies so far")
+        self._policies: dict[str, EvictionPolicy] = {}
+        default = self.policy_for(settings) if settings.enabled else None
+        # with per-request overrides any policy may show up: record what every policy needs
+        any_policy = settings.allow_request_override
+        self.rows = RowState(settings.window,
+                             keep_queries=any_policy or bool(default and default.queries_needed),
+                             keep_mass=any_policy or bool(default and default.needs_accumulated))
+        # the scheduler and the model runner share one process (non-overlap, TP per process):
+        # the attention hooks reach the pools through these references, set at each decode step
+        self.req_to_token: Optional[torch.Tensor] = None
+        self.kv_pool: Any = None
+
+    def policy_for(self, settings: EngineKVSettings) -> EvictionPolicy:
+        key = json.dumps(settings.to_dict(), sort_keys=True)
+        if key not in self._policies:
+            policy = build_policy(settings.policy, sink=settings.sink, window=settings.window,
+                                  per_head=settings.per_head, **settings.params)
+            policy.check_budget(settings.budget)
+            self._policies[key] = policy
+        return self._policies[key]
+
+    def settings_for(self, req: Any) -> EngineKVSettings:
+        """The engine's settings, updated by the request's ``custom_params["sparse_rl_kv"]`` if allowed."""
+        custom = getattr(req.sampling_params, "custom_params", None) or {}
+        override = custom.get(REQUEST_KEY) if self.settings.allow_request_override else None
+        return self.settings.updated(override) if override else self.settings
 
     def __call__(self, batch: Any) -> None:
         if not batch.reqs:
             return
         req_to_token = batch.req_to_token_pool.req_to_token
         allocator = batch.tree_cache.token_to_kv_pool_allocator
+        self.req_to_token, self.kv_pool = req_to_token, allocator.get_kvcache()
+        key_buffer = self.kv_pool.get_key_buffer(self.kv_pool.start_layer)
+        self.rows.ensure_mass(req_to_token.shape[0], self.kv_pool.layer_num, key_buffer.shape[1],
+                              req_to_token.shape[1], key_buffer.device)
         seq_lens = batch.seq_lens_cpu.clone()
         freed: list[torch.Tensor] = []
+        changed = False
         for i, req in enumerate(batch.reqs):
+            row = req.kv.req_pool_idx
+            self.rows.claim(row, req)
+            settings = self.settings_for(req)
             cached = int(seq_lens[i])
-            if not should_compress(cached, self.settings.budget, self.settings.interval):
-                continue
-            row_index = req.kv.req_pool_idx
-            row = req_to_token[row_index, :cached].clone()
-            kept = self.policy.select(None, None, self.settings.budget, length=cached)
-            evicted = torch.ones(cached, dtype=torch.bool)
-            evicted[kept] = False
-            evicted_positions = evicted.nonzero().flatten()
-            protected = req.kv.cache_protected_len
-            owned = evicted_positions[evicted_positions >= protected]
-            freed.append(row[owned])
-            req_to_token[row_index, :kept.numel()] = row[kept]
-            # kept is ascending, so kept tree-owned positions remain a prefix of the row
-            req.kv.cache_protected_len = int((kept < protected).sum())
-            req.kv.kv_allocated_len = kept.numel()
-            req.kv.kv_committed_len = kept.numel()
-            req.skip_radix_cache_insert = True
-            setattr(req, OFFSET_ATTR, getattr(req, OFFSET_ATTR, 0) + (cached - kept.numel()))
-            seq_lens[i] = kept.numel()
-            STATS.evicted_tokens += cached - kept.numel()
-            STATS.freed_slots += owned.numel()
-            STATS.dropped_shared_slots += evicted_positions.numel() - owned.numel()
-            STATS.compactions += 1
-        if not freed:
+            if settings.enabled:
+                policy = self.policy_for(settings)
+                if should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
+                                   policy.min_decode_queries):
+                    if policy.position_only:
+                        kept_len = self._compact(req, row, cached, req_to_token, freed, policy, settings)
+                    else:
+                        kept_len = self._rewrite(req, row, cached, req_to_token, allocator, freed, policy, settings)
+                    if kept_len is not None:
+                        seq_lens[i] = kept_len
+                        changed = True
+            self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
+        if freed:
+            allocator.free(torch.cat(freed).to(torch.int64))
+        if changed:
+            batch.seq_lens_cpu = seq_lens.to(batch.seq_lens_cpu.dtype)
+            batch.seq_lens = seq_lens.to(device=batch.seq_lens.device, dtype=batch.seq_lens.dtype)
+            batch.seq_lens_sum = None
+
+    def _finish(self, req: Any, cached: int, kept_len: int, protected_after: int, owned_freed: int,
+                shared_dropped: int) -> None:
+        req.kv.cache_protected_len = protected_after
+        req.kv.kv_allocated_len = kept_len
+        req.kv.kv_committed_len = kept_len
+        req.skip_radix_cache_insert = True
+        setattr(req, OFFSET_ATTR, getattr(req, OFFSET_ATTR, 0) + (cached - kept_len))
+        STATS.evicted_tokens += cached - kept_len
+        STATS.freed_slots += owned_freed
+        STATS.dropped_shared_slots += shared_dropped
+        STATS.compactions += 1
+
+    def _compact(self, req, row: int, cached: int, req_to_token, freed: list, policy: EvictionPolicy,
+                 settings: EngineKVSettings) -> int:
+        """Position-only policy: the row keeps the chosen slots, in order."""
+        slots = req_to_token[row, :cached].clone()
+        kept = policy.select(None, None, settings.budget, length=cached)
+        evicted = torch.ones(cached, dtype=torch.bool)
+        evicted[kept] = False
+        positions = evicted.nonzero().flatten()
+        protected = req.kv.cache_protected_len
+        owned = positions[positions >= protected]
+        freed.append(slots[owned])
+        req_to_token[row, :kept.numel()] = slots[kept]
+        if self.rows.mass is not None:
+            self.rows.mass[row, :, :, :kept.numel()] = self.rows.mass[row, :, :, kept].clone()
+        # kept is ascending, so kept tree-owned positions remain a prefix of the row
+        self._finish(req, cached, kept.numel(), int((kept < protected).sum()), owned.numel(),
+                     positions.numel() - owned.numel())
+        return kept.numel()
+
+    def _rewrite(self, req, row: int, cached: int, req_to_token, allocator, freed: list, policy: EvictionPolicy,
+                 settings: EngineKVSettings) -> Optional[int]:
+        """Scoring policy: copy each layer's kept K/V into request-owned slots."""
+        budget = settings.budget
+        pool = allocator.get_kvcache()
+        slots = req_to_token[row, :cached].clone()
+        protected = req.kv.cache_protected_len
+        owned = slots[protected:]
+        extra = None
+        if owned.numel() < budget:  # a long shared prompt: borrow fresh slots for the kept copies
+            extra = allocator.alloc(budget - owned.numel())
+            if extra is None:
+                STATS.skipped_no_room += 1
+                return None  # no room now: stay uncompressed this step, try again next step
+        destination = owned[:budget] if extra is None else torch.cat([owned, extra.to(owned.dtype)])
+        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+        new_kv = []
+        for index, layer_id in enumerate(layers):
+            keys = pool.get_key_buffer(layer_id)[slots]  # [cached, kv_heads, d]
+            values = pool.get_value_buffer(layer_id)[slots]
+            window_queries = self.rows.window_queries(row, index, policy.window) if policy.queries_needed else None
+            mass = self.rows.mass[row, index, :, :cached] if self.rows.mass is not None else None
+            kept = policy.select(keys.transpose(0, 1), window_queries, budget, accumulated=mass)
+            if kept.dim() == 1:  # one set for the layer
+                new_kv.append((keys[kept], values[kept]))
+                if mass is not None:
+                    self.rows.mass[row, index, :, :budget] = mass[:, kept].clone()
+            else:  # [kv_heads, budget]: a set per KV head
+                heads = torch.arange(keys.shape[1]).unsqueeze(1)
+                new_kv.append((keys[kept, heads].transpose(0, 1), values[kept, heads].transpose(0, 1)))
+                if mass is not None:
+                    self.rows.mass[row, index, :, :budget] = mass.gather(1, kept).clone()
+            if mass is not None:
+                self.rows.mass[row, index, :, budget:].zero_()
+        for layer_id, (k, v) in zip(layers, new_kv):
+            pool.get_key_buffer(layer_id)[destination] = k
+            pool.get_value_buffer(layer_id)[destination] = v
+        freed.append(owned[budget:] if extra is None else owned[:0])
+        req_to_token[row, :budget] = destination.to(req_to_token.dtype)
+        STATS.copied_tokens += budget
+        self._finish(req, cached, budget, 0, max(owned.numel() - budget, 0), protected)
+        return budget
+
+    # ------------------------------------------------------------------ hooks on the model side
+    def record(self, layer, q: torch.Tensor, forward_batch) -> None:
+        """Decode step, before attention: store this step's query per request row."""
+        if not self.rows.keep_queries:
             return
-        allocator.free(torch.cat(freed).to(torch.int64))
-        batch.seq_lens_cpu = seq_lens.to(batch.seq_lens_cpu.dtype)
-        batch.seq_lens = seq_lens.to(device=batch.seq_lens.device, dtype=batch.seq_lens.dtype)
-        batch.seq_lens_sum = None
+        rows = forward_batch.req_pool_indices.to("cpu", torch.int64)
+        q = q.view(rows.numel(), layer.tp_q_head_num, -1)
+        pool = self.kv_pool
+        self.rows.ensure_queries(self.req_to_token.shape[0], pool.layer_num, layer.tp_q_head_num, q.shape[-1],
+                                 q.dtype, q.device)
+        index = layer.layer_id - pool.start_layer
+        positions = torch.tensor([(self.rows.steps[int(r)] - 1) % self.rows.window for r in rows])
+        self.rows.queries[rows, index, positions] = q.detach()
+
+    def accumulate(self, layer, q: torch.Tensor, forward_batch) -> None:
+        """Decode step, after attention: add the attention each query paid to its cached keys (H2O)."""
+        if not self.rows.keep_mass:
+            return
+        pool, req_to_token = self.kv_pool, self.req_to_token
+        rows = forward_batch.req_pool_indices.to("cpu", torch.int64)
+        q = q.view(rows.numel(), layer.tp_q_head_num, -1)
+        index = layer.layer_id - pool.start_layer
+        keys_all = pool.get_key_buffer(layer.layer_id)
+        rows_index = {row: i for i, row in enumerate(rows.tolist())}
+        for row, length in zip(rows.tolist(), forward_batch.seq_lens.tolist()):
+            keys = keys_all[req_to_token[row, :length]].transpose(0, 1)  # [kv_heads, length, d]
+            self.rows.mass[row, index, :, :length] += decode_attention_mass(keys, q[rows_index[row]], layer.scaling)
 
 
 def install(settings: EngineKVSettings) -> None:
-    """Hook decode allocation (compaction + pool statistics), decode positions and internal state."""
+    """Hook decode allocation (compression + pool statistics), decode positions, the attention layer
+    (query recording, H2O accumulation), retraction and the scheduler's internal state."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
     from sglang.srt.mem_cache import allocation
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    compactor = RowCompactor(settings) if settings.enabled else None
+    compressor = Compressor(settings) if settings.enabled or settings.allow_request_override else None
     default_alloc = allocation.alloc_for_decode_default
 
     def alloc_for_decode(batch, token_per_req):
-        if compactor is not None:
-            compactor(batch)
+        if compressor is not None:
+            compressor(batch)
         out_cache_loc = default_alloc(batch, token_per_req)
         STATS.observe_pool(batch.tree_cache.token_to_kv_pool_allocator)
         return out_cache_loc
@@ -127,7 +299,7 @@ def install(settings: EngineKVSettings) -> None:
     for device in ("cpu", "cuda"):
         allocation.ALLOC_FOR_DECODE_FUNCS[device] = alloc_for_decode
 
-    if compactor is not None:
+    if compressor is not None:
         original_init_new = ForwardBatch.init_new.__func__
 
         def init_new(cls, batch, model_runner, **kwargs):
@@ -141,11 +313,35 @@ def install(settings: EngineKVSettings) -> None:
 
         ForwardBatch.init_new = classmethod(init_new)
 
+        if compressor.rows.keep_queries or compressor.rows.keep_mass:
+            original_forward = RadixAttention.forward
+
+            def forward(self, q, k, v, forward_batch, *args, **kwargs):
+                decode = forward_batch.forward_mode.is_decode()
+                if decode:
+                    compressor.record(self, q, forward_batch)
+                output = original_forward(self, q, k, v, forward_batch, *args, **kwargs)
+                if decode:
+                    compressor.accumulate(self, q, forward_batch)
+                return output
+
+            RadixAttention.forward = forward
+
+        original_reset = Req.reset_for_retract
+
+        def reset_for_retract(self):
+            # the KV is recomputed densely from the prompt and the output so far: start over
+            setattr(self, OFFSET_ATTR, 0)
+            setattr(self, RETRACTIONS_ATTR, getattr(self, RETRACTIONS_ATTR, 0) + 1)
+            return original_reset(self)
+
+        Req.reset_for_retract = reset_for_retract
+
     original_state = SchedulerInternalStateController.get_internal_state
 
     def get_internal_state(self, recv_req):
         output = original_state(self, recv_req)
-        output.internal_state["sparse_rl_kv"] = {"settings": vars(settings), **STATS.read_and_reset_peak()}
+        output.internal_state["sparse_rl_kv"] = {"settings": settings.to_dict(), **STATS.read_and_reset_peak()}
         return output
 
     SchedulerInternalStateController.get_internal_state = get_internal_state

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 ENV_VAR = "SPARSE_RL_MEGA_KV"
+# a request may carry its own settings in sampling_params["custom_params"][REQUEST_KEY] (a dict of the
+# fields below) when the engine was started with allow_request_override
+REQUEST_KEY = "sparse_rl_kv"
 
 
 @dataclass
@@ -15,6 +18,24 @@ class EngineKVSettings:
     sink: int = 4
     window: int = 8
     interval: int = 128
+    per_head: bool = False
+    params: dict = field(default_factory=dict)  # policy-specific (kernel, pool, lam, similarity_threshold)
+    # let requests choose their own policy/budget (benchmarks and evaluation compare policies on one
+    # engine); the engine then records decode queries and attention mass for every request, and
+    # ``window`` is the largest window a request may ask for
+    allow_request_override: bool = False
+
+    def updated(self, override: dict) -> "EngineKVSettings":
+        unknown = set(override) - {f for f in self.to_dict() if f != "allow_request_override"}
+        if unknown:
+            raise ValueError(f"unknown KV settings in a request: {sorted(unknown)}")
+        merged = {**self.to_dict(), **override}
+        if merged["window"] > self.window:
+            raise ValueError(f"a request's window {merged['window']} exceeds the engine's {self.window}")
+        return EngineKVSettings(**merged)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     @property
     def enabled(self) -> bool:

@@ -85,12 +85,25 @@ class KVCompressionConfig:
     """Per-request KV eviction during decode (prefill is never compressed).
 
     Once a request's KV length reaches ``budget + interval`` it is compressed back to ``budget``
-    tokens: ``sink`` first tokens + ``window`` most recent + the policy's choice for the rest."""
-    policy: Literal["none", "streaming"] = "none"
+    tokens: ``sink`` first tokens + ``window`` most recent + the policy's choice for the rest.
+    ``snapkv`` and ``rkv`` score with the last ``window`` decode queries (so they first compress after
+    ``window`` decode steps); ``h2o`` with the attention each key received from every decode query."""
+    policy: Literal["none", "streaming", "snapkv", "rkv", "h2o"] = "none"
     budget: int = 512
     sink: int = 4
     window: int = 8
     interval: int = 128
+    per_head: bool = False        # a kept set per KV head instead of one per layer (scoring policies)
+    kernel: int = 7               # snapkv / rkv: pooling kernel along the sequence (odd)
+    pool: Literal["max", "avg"] = "max"  # snapkv: pooling mode
+    lam: float = 0.1              # rkv: importance weight (1 - lam weighs redundancy)
+    similarity_threshold: float = 0.5  # rkv: cosine similarity above which keys are near-duplicates
+
+    def policy_params(self) -> dict:
+        """The keyword arguments of this policy's class beyond sink/window/per_head."""
+        return {"snapkv": {"kernel": self.kernel, "pool": self.pool},
+                "rkv": {"kernel": self.kernel, "lam": self.lam, "similarity_threshold": self.similarity_threshold},
+                }.get(self.policy, {})
 
 
 @dataclass
@@ -424,6 +437,11 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         _require(kv.budget > kv.sink + kv.window, source, "rollout.kv_compression.budget",
                  f"{kv.budget} must exceed sink + window = {kv.sink} + {kv.window} = {kv.sink + kv.window}")
         _require(kv.interval > 0, source, "rollout.kv_compression.interval", f"must be > 0, got {kv.interval}")
+        _require(kv.kernel >= 1 and kv.kernel % 2 == 1, source, "rollout.kv_compression.kernel",
+                 f"must be odd and >= 1, got {kv.kernel}")
+        _require(0.0 <= kv.lam <= 1.0, source, "rollout.kv_compression.lam", f"must be in [0, 1], got {kv.lam}")
+        _require(not (kv.per_head and kv.policy == "streaming"), source, "rollout.kv_compression.per_head",
+                 "streaming selects by position, the same tokens for every head")
 
     _validate_correction(cfg.algorithm.correction, source)
     al = cfg.algorithm

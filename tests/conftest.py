@@ -62,7 +62,8 @@ def evicting_engine(tiny_model_dir):
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
-    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=2048,
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV, allow_request_override=True), seed=0,
+                           max_total_tokens=2048,
                            max_running_requests=16)
     yield engine
     engine.shutdown()

@@ -1,10 +1,12 @@
 """The real SGLang engine with the sparse-rl-mega patch, against a pure-torch reference decoder.
 
-One engine (StreamingLLM, budget 12, sink 2, compress at 14) serves every test in this module; SGLang's
-strict idle memory check is on, so a leaked or double-freed KV slot crashes the engine.
+One engine serves every test in this module: StreamingLLM by default and, per request, any policy
+(``kv_override``), with SGLang's strict idle memory check on, so a leaked or double-freed KV slot
+crashes the engine. Budget 12, sink 2, window 4, interval 2: caches swing between 12 and 14 tokens.
 """
 import time
 
+import pytest
 import torch
 
 from sparse_rl_mega.kv import build_policy
@@ -12,54 +14,86 @@ from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 from tests.conftest import ENGINE_KV
 
 TOL = 1e-4
+POLICY_CASES = {
+    "streaming": {"policy": "streaming"},
+    "snapkv": {"policy": "snapkv", "params": {"kernel": 3, "pool": "max"}},
+    "snapkv-per-head": {"policy": "snapkv", "per_head": True, "params": {"kernel": 3, "pool": "avg"}},
+    "rkv": {"policy": "rkv", "params": {"kernel": 3, "lam": 0.1, "similarity_threshold": 0.5}},
+    "rkv-per-head": {"policy": "rkv", "per_head": True, "params": {"kernel": 3, "lam": 0.5, "similarity_threshold": 0.3}},
+    "h2o": {"policy": "h2o"},
+    "h2o-per-head": {"policy": "h2o", "per_head": True},
+}
 
 
-def _policy():
-    return build_policy(ENGINE_KV["policy"], sink=ENGINE_KV["sink"], window=ENGINE_KV["window"])
+def _policy(case):
+    return build_policy(case["policy"], sink=ENGINE_KV["sink"], window=ENGINE_KV["window"],
+                        per_head=case.get("per_head", False), **case.get("params", {}))
 
 
-def _check_samples(samples, hf_model):
+def _check_samples(samples, hf_model, case):
     ref = ReferenceDecoder(hf_model)
     evicted_total = 0
     for s in samples:
-        evicted_logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, _policy(), ENGINE_KV["budget"],
+        evicted_logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, _policy(case), ENGINE_KV["budget"],
                                              ENGINE_KV["interval"])
-        dense_logp, _ = ref.logprobs(s.prompt_ids, s.response_ids)
-        gap_to_evicted = max(abs(a - b) for a, b in zip(evicted_logp, s.logp_sparse))
-        assert gap_to_evicted < TOL, (gap_to_evicted, s)
-        if evicted:
-            # eviction changed the sampler: the dense policy disagrees somewhere
+        gap = max(abs(a - b) for a, b in zip(evicted_logp, s.logp_sparse))
+        assert gap < TOL, (case, gap)
+        if evicted:  # eviction changed the sampler: the dense policy disagrees somewhere
+            dense_logp, _ = ref.logprobs(s.prompt_ids, s.response_ids)
             assert max(abs(a - b) for a, b in zip(dense_logp, s.logp_sparse)) > 1e-3
         evicted_total += evicted
     return evicted_total
 
 
-def test_single_request_matches_reference_with_eviction(evicting_engine, hf_model):
+@pytest.mark.parametrize("name", list(POLICY_CASES))
+def test_single_request_matches_reference(evicting_engine, hf_model, name):
     prompt = [5, 17, 42, 99, 100, 7, 8, 9, 11, 12]
-    samples = evicting_engine.generate([prompt], n_samples=1, max_new_tokens=24, temperature=1.0, seed=11)
-    # the first response token comes from prefill, never compressed: exact against full attention
-    assert _check_samples(samples, hf_model) > 0, "budget below the sequence length must evict"
+    samples = evicting_engine.generate([prompt], n_samples=1, max_new_tokens=24, seed=11,
+                                       kv_override=POLICY_CASES[name], ignore_eos=True)
+    assert _check_samples(samples, hf_model, POLICY_CASES[name]) > 0, "budget below the length must evict"
 
 
-def test_group_sharing_a_cached_prompt_matches_reference(evicting_engine, hf_model):
+@pytest.mark.parametrize("name", list(POLICY_CASES))
+def test_group_sharing_a_cached_prompt_matches_reference(evicting_engine, hf_model, name):
     prompt = list(range(30, 50))  # 20 tokens: longer than the budget, so shared tree slots are evicted too
+    evicting_engine.generate([prompt], n_samples=1, max_new_tokens=1)  # the group's prompt is now cached
     before = evicting_engine.kv_stats()
-    samples = evicting_engine.generate([prompt, prompt[:9]], n_samples=3, max_new_tokens=20, seed=5)
+    samples = evicting_engine.generate([prompt], n_samples=4, max_new_tokens=20, seed=5,
+                                       kv_override=POLICY_CASES[name], ignore_eos=True)
     after = evicting_engine.kv_stats()
-    assert len(samples) == 6 and [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]
-    assert _check_samples(samples, hf_model) > 0
-    assert after["dropped_shared_slots"] > before["dropped_shared_slots"]  # the shared prompt was skipped, not freed
-    assert after["compactions"] > before["compactions"]
+    assert all(s.cached_tokens >= len(prompt) - 1 for s in samples)  # the shared prompt is a cache hit
+    assert _check_samples(samples, hf_model, POLICY_CASES[name]) > 0
+    assert after["dropped_shared_slots"] > before["dropped_shared_slots"]  # skipped, not freed
+
+
+def test_unknown_override_is_refused_before_reaching_the_engine(evicting_engine):
+    with pytest.raises(ValueError, match="unknown KV settings"):
+        evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2, kv_override={"budgett": 4})
+    with pytest.raises(ValueError, match="must exceed sink"):
+        evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2, kv_override={"budget": 5})
+
+
+@pytest.mark.parametrize("name", ["streaming", "rkv", "h2o"])
+def test_peak_pool_use_of_a_group_is_bounded(evicting_engine, name):
+    """A group of n samples holds at most prompt + n x (budget + interval) slots at any time."""
+    prompt, n, new_tokens = [3, 4, 5, 6, 7, 8], 4, 40
+    evicting_engine.engine.flush_cache()
+    evicting_engine.kv_stats()  # resets the peak
+    evicting_engine.generate([prompt], n_samples=n, max_new_tokens=new_tokens, seed=2,
+                             kv_override=POLICY_CASES[name], ignore_eos=True)
+    stats = evicting_engine.kv_stats()
+    bound = len(prompt) + n * (ENGINE_KV["budget"] + ENGINE_KV["interval"])
+    assert 0 < stats["peak_slots_in_use"] <= bound, stats
+    assert bound < n * (len(prompt) + new_tokens)  # what dense decoding needs: the bound is binding
 
 
 def test_engine_frees_evicted_slots_and_survives_idle_leak_check(evicting_engine):
     before = evicting_engine.kv_stats()
-    evicting_engine.generate([[3, 4, 5, 6, 7]], n_samples=4, max_new_tokens=40, seed=2)
+    for name in POLICY_CASES:
+        evicting_engine.generate([[3, 4, 5, 6, 7]], n_samples=3, max_new_tokens=30, seed=2,
+                                 kv_override=POLICY_CASES[name], ignore_eos=True)
     after = evicting_engine.kv_stats()
     assert after["freed_slots"] > before["freed_slots"]
-    # a compressed row holds at most budget + interval slots: peak < what dense decoding needs
-    dense_need = 4 * (5 + 40)
-    assert after["peak_slots_in_use"] < dense_need
     time.sleep(1.5)  # scheduler idles -> SGLang's strict KV leak check runs
     assert len(evicting_engine.generate([[1, 2, 3]], n_samples=2, max_new_tokens=2)) == 2
 

@@ -1,15 +1,23 @@
 """KV eviction policies: pure torch, shared by the SGLang engine patch and the reference decoder.
 
-A policy chooses which cached tokens a request keeps when its KV cache is compressed. The public API:
+A policy chooses which cached tokens a request keeps when its KV cache is compressed:
 
     POLICIES[name](**params).select(keys, window_queries, budget) -> kept indices (ascending)
 
-with ``keys`` ``[kv_heads, length, head_dim]`` (post-RoPE) and ``window_queries``
-``[q_heads, window, head_dim]``. Policies whose choice depends only on positions set
-``position_only = True``; the engine then compacts a request's row once for all layers.
+* ``keys``: ``[kv_heads, length, head_dim]``, post-RoPE, in cache order (oldest first);
+* ``window_queries``: ``[q_heads, window, head_dim]``, post-RoPE, the queries of the last ``window``
+  decode steps (oldest first); they belong to the last ``window`` cached tokens;
+* returns ``[budget]`` indices (one set for the whole layer) or, with ``per_head=True``,
+  ``[kv_heads, budget]`` (a set per KV head).
 
-When to compress (:func:`should_compress`): once the cached length reaches ``budget + interval``,
-the request is compressed back to ``budget`` tokens (so the cache swings between B and B + interval).
+Every policy keeps the first ``sink`` tokens and the ``window`` most recent ones and fills the rest of
+the budget with the highest-scoring tokens in between. Scores are ``[kv_heads, length]``; per-layer
+selection sums them over KV heads. Policies that score with attention of the window queries need
+``window`` decode queries before their first compression (``queries_needed``); H2O scores with the
+attention every decode query paid to each key, accumulated by the caller (``accumulated``).
+
+When to compress (:func:`should_compress`): once the cached length reaches ``budget + interval``, the
+request is compressed back to ``budget`` tokens (the cache swings between B and B + interval).
 """
 from __future__ import annotations
 
@@ -17,54 +25,179 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
+import torch.nn.functional as F
 
 
-def should_compress(cached_len: int, budget: int, interval: int) -> bool:
+def should_compress(cached_len: int, budget: int, interval: int, decode_queries: int = 0,
+                    queries_needed: int = 0) -> bool:
     """True when a request with ``cached_len`` tokens in its KV cache must be compressed now."""
-    return cached_len >= budget + interval
+    return cached_len >= budget + interval and decode_queries >= queries_needed
+
+
+def window_attention(keys: torch.Tensor, window_queries: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of the window queries over the keys, ``[q_heads, window, length]`` (float32).
+
+    Query ``i`` of ``w`` belongs to cache position ``length - w + i`` and sees keys up to it (causal
+    inside the window; every older key is visible)."""
+    q_heads, window, head_dim = window_queries.shape
+    kv_heads, length, _ = keys.shape
+    group = q_heads // kv_heads
+    k = keys.float().repeat_interleave(group, dim=0)  # [q_heads, length, d]
+    logits = window_queries.float() @ k.transpose(1, 2) * head_dim ** -0.5  # [q_heads, w, length]
+    key_pos = torch.arange(length)
+    query_pos = torch.arange(length - window, length).unsqueeze(1)
+    logits = logits.masked_fill(key_pos.unsqueeze(0) > query_pos, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def pool1d(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """Same-length 1-D pooling along the last axis of ``[heads, length]`` (odd ``kernel``)."""
+    if kernel <= 1:
+        return scores
+    x = scores.unsqueeze(0)
+    if mode == "max":
+        return F.max_pool1d(x, kernel, stride=1, padding=kernel // 2).squeeze(0)
+    return F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False).squeeze(0)
 
 
 @dataclass
 class EvictionPolicy:
-    """Base class. Subclasses implement :meth:`select`; ``__post_init__`` validates parameters."""
+    """Base class: sink + recent window + top scores in between. Subclasses implement :meth:`score`."""
     sink: int = 4
     window: int = 8
-    position_only: ClassVar[bool] = False
+    per_head: bool = False
+    position_only: ClassVar[bool] = False       # the choice depends on positions only (same for all layers)
+    queries_needed: ClassVar[bool] = False      # scores with the last ``window`` decode queries
+    needs_accumulated: ClassVar[bool] = False   # scores with accumulated decode attention (H2O)
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.window <= 0:
             raise ValueError(f"{type(self).__name__}: need sink >= 0 and window > 0, got {self.sink}, {self.window}")
 
-    def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor],
-               budget: int, length: Optional[int] = None) -> torch.Tensor:
-        raise NotImplementedError
+    @property
+    def min_decode_queries(self) -> int:
+        return self.window if self.queries_needed else 0
 
     def check_budget(self, budget: int) -> None:
         if budget <= self.sink + self.window:
             raise ValueError(f"budget {budget} must exceed sink + window = {self.sink + self.window}")
 
+    def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
+              accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[kv_heads, length]``: higher means keep."""
+        raise NotImplementedError
+
+    def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor], budget: int,
+               length: Optional[int] = None, accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Kept indices, ascending: ``[budget]``, or ``[kv_heads, budget]`` with ``per_head``."""
+        self.check_budget(budget)
+        n = int(length if length is not None else keys.shape[1])
+        if n <= budget:
+            kept = torch.arange(n)
+            return kept.expand(keys.shape[0], n).clone() if self.per_head and keys is not None else kept
+        forced = torch.cat([torch.arange(self.sink), torch.arange(n - self.window, n)])
+        middle = torch.arange(self.sink, n - self.window)
+        free = budget - forced.numel()
+        scores = self.score(keys, window_queries, accumulated)[:, self.sink:n - self.window].float()
+        if not self.per_head:
+            top = scores.sum(dim=0).topk(free, sorted=False).indices
+            return torch.cat([forced, middle[top]]).sort().values
+        top = scores.topk(free, dim=1, sorted=False).indices  # [kv_heads, free]
+        kept = torch.cat([forced.expand(scores.shape[0], -1), middle[top]], dim=1)
+        return kept.sort(dim=1).values
+
 
 @dataclass
 class StreamingPolicy(EvictionPolicy):
-    """StreamingLLM: keep the first ``sink`` tokens (attention sinks) and the most recent ones.
-
-    All ``budget - sink`` non-sink slots go to the most recent tokens (``window`` is a lower bound
-    that the budget must exceed; for this policy the recent part is always larger)."""
+    """StreamingLLM: the first ``sink`` tokens (attention sinks) and the most recent ones; every
+    non-sink slot of the budget goes to recent tokens."""
     position_only: ClassVar[bool] = True
 
-    def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor],
-               budget: int, length: Optional[int] = None) -> torch.Tensor:
-        """Kept token indices ``[budget]`` (ascending) out of ``length`` (or ``keys.shape[1]``)."""
+    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+        raise NotImplementedError("streaming selects by position")
+
+    def select(self, keys, window_queries, budget, length=None, accumulated=None) -> torch.Tensor:
         self.check_budget(budget)
         n = int(length if length is not None else keys.shape[1])
         if n <= budget:
             return torch.arange(n)
-        recent = budget - self.sink
-        return torch.cat([torch.arange(self.sink), torch.arange(n - recent, n)])
+        return torch.cat([torch.arange(self.sink), torch.arange(n - (budget - self.sink), n)])
+
+
+@dataclass
+class SnapKVPolicy(EvictionPolicy):
+    """SnapKV: attention of the last ``window`` queries to each key, averaged over the window and the
+    GQA group's query heads, then pooled along the sequence (``pool`` over ``kernel`` neighbours)."""
+    kernel: int = 7
+    pool: str = "max"
+    queries_needed: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kernel < 1 or self.kernel % 2 == 0 or self.pool not in ("max", "avg"):
+            raise ValueError(f"SnapKV: kernel must be odd and >= 1, pool max|avg; got {self.kernel}, {self.pool}")
+
+    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+        probs = window_attention(keys, window_queries)  # [q_heads, w, length]
+        kv_heads = keys.shape[0]
+        per_kv_head = probs.mean(dim=1).view(kv_heads, -1, keys.shape[1]).mean(dim=1)
+        return pool1d(per_kv_head, self.kernel, self.pool)
+
+
+@dataclass
+class RKVPolicy(EvictionPolicy):
+    """R-KV: ``score = lam * importance - (1 - lam) * redundancy``.
+
+    importance: max-pooled (``kernel``) mean attention of the window queries to each key, max over
+    the GQA group's query heads; redundancy: softmax over keys of each key's mean cosine similarity to
+    the other keys (diagonal zeroed), where a key with no later near-duplicate (similarity above
+    ``similarity_threshold``) counts as not redundant (the most recent copy is protected)."""
+    lam: float = 0.1
+    kernel: int = 7
+    similarity_threshold: float = 0.5
+    queries_needed: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.lam <= 1.0 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"R-KV: need 0 <= lam <= 1 and an odd kernel, got {self.lam}, {self.kernel}")
+
+    def importance(self, keys, window_queries) -> torch.Tensor:
+        probs = window_attention(keys, window_queries).mean(dim=1)  # [q_heads, length]
+        grouped = probs.view(keys.shape[0], -1, keys.shape[1]).amax(dim=1)
+        return pool1d(grouped, self.kernel, "max")
+
+    def redundancy(self, keys) -> torch.Tensor:
+        unit = F.normalize(keys.float(), dim=-1)
+        sim = unit @ unit.transpose(1, 2)  # [kv_heads, length, length]
+        length = keys.shape[1]
+        sim = sim * (1.0 - torch.eye(length))
+        later = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+        has_later_duplicate = ((sim > self.similarity_threshold) & later).any(dim=-1)  # [kv_heads, length]
+        sim = sim * has_later_duplicate.unsqueeze(-1)
+        return (sim.sum(dim=-1) / max(length - 1, 1)).softmax(dim=-1)
+
+    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+        return self.lam * self.importance(keys, window_queries) - (1.0 - self.lam) * self.redundancy(keys)
+
+
+@dataclass
+class H2OPolicy(EvictionPolicy):
+    """H2O (heavy hitters): the attention each key received from every decode query so far (summed
+    over the GQA group's query heads), accumulated by the caller and carried across compressions."""
+    needs_accumulated: ClassVar[bool] = True
+
+    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+        if accumulated is None:
+            raise ValueError("H2O needs the accumulated attention [kv_heads, length]")
+        return accumulated
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "streaming": StreamingPolicy,
+    "snapkv": SnapKVPolicy,
+    "rkv": RKVPolicy,
+    "h2o": H2OPolicy,
 }
 
 
@@ -79,3 +212,14 @@ def build_policy(name: str, sink: int, window: int, **params) -> EvictionPolicy:
     if name not in POLICIES:
         raise KeyError(f"unknown KV eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}")
     return POLICIES[name](sink=sink, window=window, **params)
+
+
+def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention one decode query pays to every cached key, summed over each KV head's query group:
+    ``keys [kv_heads, length, d]``, ``query [q_heads, d]`` -> ``[kv_heads, length]`` (float32).
+    H2O adds this up over decode steps."""
+    kv_heads = keys.shape[0]
+    group = query.shape[0] // kv_heads
+    k = keys.float().repeat_interleave(group, dim=0)
+    probs = ((k @ query.float().unsqueeze(-1)).squeeze(-1) * scaling).softmax(dim=-1)  # [q_heads, length]
+    return probs.view(kv_heads, group, -1).sum(dim=1)

@@ -2,7 +2,16 @@
 
 It is the oracle for the engine patch: it replays a generated sequence token by token (teacher
 forcing) with its own KV cache, compresses that cache exactly when and how the engine does, and
-returns the logprob of every generated token. Users can run it to debug a policy on a few prompts.
+returns the logprob of every generated token. Users can run it to debug a policy on a few prompts:
+
+    decoder = ReferenceDecoder(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    logprobs, evicted = decoder.logprobs(prompt_ids, output_ids, build_policy("rkv", sink=4, window=8),
+                                         budget=64, interval=16)
+
+What it reproduces: the prefill is never compressed; each decode step records its post-RoPE query
+per layer and (for H2O) adds the attention it paid to every key; before a decode step, a cache of
+``budget + interval`` tokens (with enough recorded queries for the policy) is compressed to
+``budget`` per layer (per KV head with ``per_head``), keys keeping their original rotation.
 """
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, should_compress
+from sparse_rl_mega.kv.policies import EvictionPolicy, decode_attention_mass, should_compress
 
 
 class ReferenceDecoder:
@@ -23,17 +32,19 @@ class ReferenceDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     @torch.no_grad()
-    def _forward(self, ids: Sequence[int], positions: Sequence[int], cache: list) -> torch.Tensor:
-        """Run ``ids`` at ``positions`` through the model, appending to ``cache``; returns logprobs
-        ``[len(ids), vocab]`` (float32)."""
+    def _forward(self, ids: Sequence[int], positions: Sequence[int], state: dict) -> torch.Tensor:
+        """Run ``ids`` at ``positions``, appending to the cache in ``state``; returns logprobs
+        ``[len(ids), vocab]`` (float32). A single-token call is a decode step: its queries are
+        recorded and, for H2O, its attention is accumulated."""
         inner = self.model.model
         n = len(ids)
+        decode = state["prefilled"]
         hidden = inner.embed_tokens(torch.tensor([list(ids)]))
         cos, sin = inner.rotary_emb(hidden, torch.tensor([list(positions)]))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, n, head_dim]
@@ -45,42 +56,68 @@ class ReferenceDecoder:
             k = attn.k_proj(x).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            past_k, past_v = cache[layer_idx]
-            keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-            values = v if past_v is None else torch.cat([past_v, v], dim=2)
-            cache[layer_idx] = (keys, values)
-            total = keys.shape[2]
-            scores = q @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * self.head_dim ** -0.5
+            keys = torch.cat([state["k"][layer_idx], k[0]], dim=1)  # [kv_heads, total, d]
+            values = torch.cat([state["v"][layer_idx], v[0]], dim=1)
+            state["k"][layer_idx], state["v"][layer_idx] = keys, values
+            total = keys.shape[1]
+            scores = q[0] @ keys.repeat_interleave(groups, dim=0).transpose(-1, -2) * self.head_dim ** -0.5
             visible = torch.ones(n, total, dtype=torch.bool)
             visible[:, total - n:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
             scores = scores.masked_fill(~visible, float("-inf"))
-            out = scores.float().softmax(-1).to(values.dtype) @ values.repeat_interleave(groups, dim=1)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            out = scores.float().softmax(-1).to(values.dtype) @ values.repeat_interleave(groups, dim=0)
+            hidden = hidden + attn.o_proj(out.unsqueeze(0).transpose(1, 2).reshape(1, n, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if decode:
+                state["queries"][layer_idx].append(q[0, :, 0])  # [q_heads, d]
+                mass = decode_attention_mass(keys, q[0, :, 0], self.head_dim ** -0.5)
+                acc = state["acc"][layer_idx]
+                state["acc"][layer_idx] = torch.cat([acc, acc.new_zeros(acc.shape[0], total - acc.shape[1])], 1) + mass
+        state["prefilled"] = True
         logits = self.model.lm_head(inner.norm(hidden))[0].float()
         return torch.log_softmax(logits, dim=-1)
+
+    def _compress(self, state: dict, policy: EvictionPolicy, budget: int) -> int:
+        """Compress every layer's cache to ``budget``; returns the evicted token count."""
+        cached = state["k"][0].shape[1]
+        for layer_idx in range(len(state["k"])):
+            keys, values = state["k"][layer_idx], state["v"][layer_idx]
+            window_queries = None
+            if policy.queries_needed:
+                window_queries = torch.stack(state["queries"][layer_idx][-policy.window:], dim=1)  # [q_heads, w, d]
+            kept = policy.select(keys, window_queries, budget, length=cached,
+                                 accumulated=state["acc"][layer_idx] if policy.needs_accumulated else None)
+            if kept.dim() == 1:
+                kept = kept.expand(keys.shape[0], -1)
+            gather = kept.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+            state["k"][layer_idx] = keys.gather(1, gather)
+            state["v"][layer_idx] = values.gather(1, gather)
+            state["acc"][layer_idx] = state["acc"][layer_idx].gather(1, kept)
+        return cached - budget
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
                  policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1
                  ) -> tuple[list[float], int]:
-        """Logprob of each ``output_ids[t]`` given the prompt and earlier outputs.
-
-        With ``policy`` set, the KV cache is compressed to ``budget`` whenever
-        :func:`should_compress` says so, before each decode step (the prompt's prefill is never
-        compressed). Returns ``(logprobs, evicted_token_count)``.
-        """
-        cache = [(None, None)] * len(self.model.model.layers)
-        logprobs = [float(self._forward(prompt_ids, range(len(prompt_ids)), cache)[-1, output_ids[0]])]
+        """Logprob of each ``output_ids[t]`` given the prompt and earlier outputs, compressing as the
+        engine does (``policy`` None: dense). Returns ``(logprobs, evicted_token_count)``."""
+        layers = len(self.model.model.layers)
+        empty = torch.zeros(self.num_kv_heads, 0, self.head_dim)
+        state = {"k": [empty] * layers, "v": [empty] * layers, "queries": [[] for _ in range(layers)],
+                 "acc": [torch.zeros(self.num_kv_heads, len(prompt_ids)) for _ in range(layers)], "prefilled": False}
+        logprobs = [float(self._forward(prompt_ids, range(len(prompt_ids)), state)[-1, output_ids[0]])]
         evicted = 0
         for t in range(1, len(output_ids)):
-            cached = cache[0][0].shape[2]
-            if policy is not None and should_compress(cached, budget, interval):
-                if not policy.position_only:
-                    raise NotImplementedError("the reference decoder handles position-only policies so far")
-                kept = policy.select(None, None, budget, length=cached)
-                cache = [(k[:, :, kept], v[:, :, kept]) for k, v in cache]
-                evicted += cached - kept.numel()
+            cached = state["k"][0].shape[1]
+            if policy is not None and should_compress(cached, budget, interval, len(state["queries"][0]),
+                                                      policy.min_decode_queries):
+                if policy.position_only:
+                    kept = policy.select(None, None, budget, length=cached)
+                    for name in ("k", "v"):
+                        state[name] = [x[:, kept] for x in state[name]]
+                    state["acc"] = [a[:, kept] for a in state["acc"]]
+                    evicted += cached - kept.numel()
+                else:
+                    evicted += self._compress(state, policy, budget)
             position = len(prompt_ids) + t - 1
-            logprobs.append(float(self._forward([output_ids[t - 1]], [position], cache)[-1, output_ids[t]]))
+            logprobs.append(float(self._forward([output_ids[t - 1]], [position], state)[-1, output_ids[t]]))
         return logprobs, evicted

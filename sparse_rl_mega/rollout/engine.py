@@ -13,7 +13,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from sglang_patches.settings import ENV_VAR, EngineKVSettings
+from sglang_patches.settings import ENV_VAR, REQUEST_KEY, EngineKVSettings
+from sparse_rl_mega.kv.policies import build_policy
 
 
 @dataclass
@@ -25,6 +26,7 @@ class GeneratedSample:
     logp_sparse: list[float]
     response_text: str
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
 
 
 # torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
@@ -47,8 +49,8 @@ def _without_launcher_env():
 
 def engine_kv_settings(kv_cfg) -> EngineKVSettings:
     """Map ``rollout.kv_compression`` of the run config onto the engine's settings."""
-    return EngineKVSettings(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink,
-                            window=kv_cfg.window, interval=kv_cfg.interval)
+    return EngineKVSettings(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink, window=kv_cfg.window,
+                            interval=kv_cfg.interval, per_head=kv_cfg.per_head, params=kv_cfg.policy_params())
 
 
 class RolloutEngine:
@@ -82,16 +84,31 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> list[GeneratedSample]:
+                 temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
+                 kv_override: Optional[dict] = None, ignore_eos: bool = False) -> list[GeneratedSample]:
         """``n_samples`` responses per prompt, groups contiguous (prompt-major order).
 
         All samples of a prompt are sent in one call so the group's shared prompt is prefilled once
-        and then served from the radix cache."""
+        and then served from the radix cache. ``kv_override`` (e.g. ``{"policy": "rkv", "budget": 64}``
+        or ``{"policy": "none"}``) replaces the engine's KV settings for these requests; the engine must
+        have been started with ``allow_request_override``."""
+        custom = None
+        if kv_override is not None:
+            if not self.kv.allow_request_override:
+                raise ValueError("this engine was started without allow_request_override")
+            resolved = self.kv.updated(kv_override)  # raises here, not in the scheduler
+            if resolved.enabled:
+                build_policy(resolved.policy, sink=resolved.sink, window=resolved.window, per_head=resolved.per_head,
+                             **resolved.params).check_budget(resolved.budget)
+            custom = {REQUEST_KEY: dict(kv_override)}
         input_ids, params = [], []
         for p_index, ids in enumerate(prompts_ids):
             for s in range(n_samples):
                 input_ids.append(list(ids))
-                sp = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+                sp = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                      "ignore_eos": ignore_eos}
+                if custom is not None:
+                    sp["custom_params"] = custom
                 if seed is not None:
                     sp["sampling_seed"] = seed + p_index * n_samples + s
                 params.append(sp)
@@ -104,7 +121,8 @@ class RolloutEngine:
             samples.append(GeneratedSample(
                 prompt_index=k // n_samples, prompt_ids=input_ids[k],
                 response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=[float(t[0]) for t in token_logprobs],
-                response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)))
+                response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
+                cached_tokens=int(meta.get("cached_tokens", 0))))
         return samples
 
     def dense_logprobs(self, token_ids: Sequence[int]) -> list[float]:

@@ -1,11 +1,9 @@
-"""Data loading, the exact-answer reward and the StreamingLLM selection."""
+"""Data loading and the exact-answer reward."""
 import json
 
 import pytest
-import torch
 
 from sparse_rl_mega.data import DataError, PromptDataset
-from sparse_rl_mega.kv import POLICIES, should_compress
 from sparse_rl_mega.reward import exact_answer_reward
 
 
@@ -40,19 +38,3 @@ def test_batches_are_deterministic_and_cover_epochs(tmp_path):
 ])
 def test_exact_answer_reward(response, label, reward):
     assert exact_answer_reward(response, label) == reward
-
-
-def test_streaming_keeps_sinks_and_recent():
-    policy = POLICIES["streaming"](sink=2, window=4)
-    kept = policy.select(None, None, budget=8, length=20)
-    assert kept.tolist() == [0, 1, 14, 15, 16, 17, 18, 19]
-    assert policy.select(None, None, budget=8, length=6).tolist() == list(range(6))
-    keys = torch.zeros(2, 11, 4)  # [kv_heads, length, head_dim]: length taken from the keys
-    assert policy.select(keys, None, budget=8).tolist() == [0, 1, 5, 6, 7, 8, 9, 10]
-    with pytest.raises(ValueError, match="must exceed sink"):
-        policy.select(None, None, budget=6, length=20)
-
-
-def test_compression_trigger():
-    assert not should_compress(13, budget=12, interval=2)
-    assert should_compress(14, budget=12, interval=2)

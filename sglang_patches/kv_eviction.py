@@ -77,13 +77,14 @@ class RowState:
         self.window = window
         self.keep_queries = keep_queries
         self.keep_mass = keep_mass
-        self.owner: dict[int, tuple] = {}     # row -> (id(Req), its retraction count)
+        self.owner: dict[int, tuple] = {}     # row -> (request id, its retraction count)
         self.steps: dict[int, int] = {}       # row -> decode queries recorded for the owner
+        self.mass_rows: set[int] = set()      # rows whose policy scores with attention mass (H2O)
         self.queries: Optional[torch.Tensor] = None  # [rows, layers, window, q_heads, d]
         self.mass: Optional[torch.Tensor] = None     # [rows, layers, kv_heads, max_len]
 
     def claim(self, row: int, req: Any) -> None:
-        key = (id(req), getattr(req, RETRACTIONS_ATTR, 0))
+        key = (req.rid, getattr(req, RETRACTIONS_ATTR, 0))  # rid: unique, unlike id() of a freed object
         if self.owner.get(row) != key:
             self.owner[row] = key
             self.steps[row] = 0
@@ -122,6 +123,7 @@ class Compressor:
         # the attention hooks reach the pools through these references, set at each decode step
         self.req_to_token: Optional[torch.Tensor] = None
         self.kv_pool: Any = None
+        self.step_slots: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(0, dtype=torch.int64),) * 2
 
     def policy_for(self, settings: EngineKVSettings) -> EvictionPolicy:
         key = json.dumps(settings.to_dict(), sort_keys=True)
@@ -155,18 +157,27 @@ class Compressor:
             self.rows.claim(row, req)
             settings = self.settings_for(req)
             cached = int(seq_lens[i])
-            if settings.enabled:
-                policy = self.policy_for(settings)
+            policy = self.policy_for(settings) if settings.enabled else None
+            if policy is not None and policy.needs_accumulated:
+                self.rows.mass_rows.add(row)
+            else:
+                self.rows.mass_rows.discard(row)
+            if policy is not None:
                 if should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
                                    policy.min_decode_queries):
                     if policy.position_only:
                         kept_len = self._compact(req, row, cached, req_to_token, freed, policy, settings)
                     else:
-                        kept_len = self._rewrite(req, row, cached, req_to_token, allocator, freed, policy, settings)
+                        kept_len = self._rewrite(req, row, cached, req_to_token, allocator, freed, policy, settings,
+                                                 decode_slots=len(batch.reqs))
                     if kept_len is not None:
                         seq_lens[i] = kept_len
                         changed = True
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
+        # where each request's query of this step goes in the ring (the same for every layer)
+        rows = [req.kv.req_pool_idx for req in batch.reqs]
+        self.step_slots = (torch.tensor(rows, dtype=torch.int64),
+                           torch.tensor([(self.rows.steps[r] - 1) % self.rows.window for r in rows]))
         if freed:
             allocator.free(torch.cat(freed).to(torch.int64))
         if changed:
@@ -206,7 +217,7 @@ class Compressor:
         return kept.numel()
 
     def _rewrite(self, req, row: int, cached: int, req_to_token, allocator, freed: list, policy: EvictionPolicy,
-                 settings: EngineKVSettings) -> Optional[int]:
+                 settings: EngineKVSettings, decode_slots: int) -> Optional[int]:
         """Scoring policy: copy each layer's kept K/V into request-owned slots."""
         budget = settings.budget
         pool = allocator.get_kvcache()
@@ -215,7 +226,9 @@ class Compressor:
         owned = slots[protected:]
         extra = None
         if owned.numel() < budget:  # a long shared prompt: borrow fresh slots for the kept copies
-            extra = allocator.alloc(budget - owned.numel())
+            need = budget - owned.numel()
+            # leave the slots the scheduler checked for this decode step (one per running request)
+            extra = allocator.alloc(need) if allocator.available_size() >= need + decode_slots else None
             if extra is None:
                 STATS.skipped_no_room += 1
                 return None  # no room now: stay uncompressed this step, try again next step
@@ -253,14 +266,12 @@ class Compressor:
         """Decode step, before attention: store this step's query per request row."""
         if not self.rows.keep_queries:
             return
-        rows = forward_batch.req_pool_indices.to("cpu", torch.int64)
+        rows, positions = self.step_slots
         q = q.view(rows.numel(), layer.tp_q_head_num, -1)
         pool = self.kv_pool
         self.rows.ensure_queries(self.req_to_token.shape[0], pool.layer_num, layer.tp_q_head_num, q.shape[-1],
                                  q.dtype, q.device)
-        index = layer.layer_id - pool.start_layer
-        positions = torch.tensor([(self.rows.steps[int(r)] - 1) % self.rows.window for r in rows])
-        self.rows.queries[rows, index, positions] = q.detach()
+        self.rows.queries[rows, layer.layer_id - pool.start_layer, positions] = q.detach()
 
     def accumulate(self, layer, q: torch.Tensor, forward_batch) -> None:
         """Decode step, after attention: add the attention each query paid to its cached keys (H2O)."""
@@ -273,6 +284,8 @@ class Compressor:
         keys_all = pool.get_key_buffer(layer.layer_id)
         rows_index = {row: i for i, row in enumerate(rows.tolist())}
         for row, length in zip(rows.tolist(), forward_batch.seq_lens.tolist()):
+            if row not in self.rows.mass_rows:
+                continue
             keys = keys_all[req_to_token[row, :length]].transpose(0, 1)  # [kv_heads, length, d]
             self.rows.mass[row, index, :, :length] += decode_attention_mass(keys, q[rows_index[row]], layer.scaling)
 
@@ -336,6 +349,11 @@ def install(settings: EngineKVSettings) -> None:
             return original_reset(self)
 
         Req.reset_for_retract = reset_for_retract
+
+        if settings.compressed_admission:
+            from sglang_patches import admission
+
+            admission.install(compressor.settings_for)
 
     original_state = SchedulerInternalStateController.get_internal_state
 

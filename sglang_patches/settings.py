@@ -24,9 +24,11 @@ class EngineKVSettings:
     # engine); the engine then records decode queries and attention mass for every request, and
     # ``window`` is the largest window a request may ask for
     allow_request_override: bool = False
+    # admit and keep running requests by their compressed size (budget + interval), not max_new_tokens
+    compressed_admission: bool = True
 
     def updated(self, override: dict) -> "EngineKVSettings":
-        unknown = set(override) - {f for f in self.to_dict() if f != "allow_request_override"}
+        unknown = set(override) - {f for f in self.to_dict() if f not in ("allow_request_override", "compressed_admission")}
         if unknown:
             raise ValueError(f"unknown KV settings in a request: {sorted(unknown)}")
         merged = {**self.to_dict(), **override}

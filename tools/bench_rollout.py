@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Dense vs compressed-KV rollouts on the same engine and model, side by side in one run.
+
+For each variant (dense and every KV policy at the same budget) the same prompts are decoded with
+``ignore_eos`` to a fixed length on:
+
+1. an engine with an unbounded pool: peak KV slots in use and output tokens/s;
+2. an engine whose pool is too small for the dense batch to run at once (``--small-pool-fraction`` of
+   what dense decoding needs): output tokens/s, where compressed requests are admitted by their
+   compressed size and run concurrently.
+
+Prints ``name=value`` lines, ratios (variant / dense) last, and writes ``--json``.
+
+    python tools/bench_rollout.py --requests 32 --new-tokens 256 --budget 64 --json runs/bench_rollout.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+DEFAULT_MODEL = ROOT / "runs" / "assets" / "tiny-llama-sums"
+POLICIES = ("streaming", "snapkv", "rkv", "h2o")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="HF model folder (default: the CPU example's tiny model, built if missing)")
+    p.add_argument("--requests", type=int, default=32, help="concurrent requests (prompts)")
+    p.add_argument("--prompt-tokens", type=int, default=40)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--interval", type=int, default=16)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--repeats", type=int, default=2, help="runs per variant; the fastest counts (CPU noise)")
+    p.add_argument("--small-pool-fraction", type=float, default=0.2,
+                   help="small pool size as a fraction of the slots dense decoding needs for all requests")
+    p.add_argument("--json", default=None, help="write all figures here")
+    return p.parse_args(argv)
+
+
+def ensure_model(path: Path) -> None:
+    if (path / "config.json").is_file():
+        return
+    if path != DEFAULT_MODEL:
+        sys.exit(f"--model {path}: no HF model folder there")
+    from sparse_rl_mega.config import load_config
+    from sparse_rl_mega.models.tiny import build_tiny_model
+
+    cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml")
+    build_tiny_model(path, cfg.model.arch, cfg.model.create_tiny, str(ROOT / cfg.data.train_path))
+
+
+def run_variants(engine, prompts, args, variants) -> dict:
+    results = {}
+    for name, override in variants:
+        seconds, peak = float("inf"), 0
+        for _ in range(args.repeats):
+            engine.engine.flush_cache()
+            engine.kv_stats()  # resets the peak
+            started = time.perf_counter()
+            samples = engine.generate(prompts, n_samples=1, max_new_tokens=args.new_tokens, temperature=1.0, seed=7,
+                                      kv_override=override, ignore_eos=True)
+            seconds = min(seconds, time.perf_counter() - started)
+            stats = engine.kv_stats()
+            peak = max(peak, stats["peak_slots_in_use"])
+        tokens = sum(len(s.response_ids) for s in samples)
+        results[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                         "peak_slots_in_use": peak, "pool_size": stats["pool_size"]}
+        print(f"  {name}: {tokens / seconds:.1f} tok/s, peak slots {peak}", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    torch.manual_seed(0)
+    model = Path(args.model)
+    ensure_model(model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.requests)]
+    policies = [p for p in args.policies.split(",") if p]
+    kv = dict(budget=args.budget, sink=args.sink, window=args.window, interval=args.interval)
+    variants = [("dense", {"policy": "none"})] + [(p, {"policy": p}) for p in policies]
+    settings = EngineKVSettings(policy="none", allow_request_override=True, compressed_admission=True, **kv)
+    dense_need = args.requests * (args.prompt_tokens + args.new_tokens)
+    small_pool = int(dense_need * args.small_pool_fraction)
+
+    figures = {"config": {**vars(args), "dense_slots_needed": dense_need, "small_pool": small_pool}}
+    for label, pool in (("unbounded", dense_need * 2 + 1024), ("small_pool", small_pool)):
+        print(f"[{label}] engine with a {pool}-slot pool", flush=True)
+        engine = RolloutEngine(str(model), settings, max_total_tokens=pool, max_running_requests=args.requests,
+                               seed=0)
+        try:
+            figures[label] = run_variants(engine, prompts, args, variants)
+        finally:
+            engine.shutdown()
+
+    lines = []
+    for label in ("unbounded", "small_pool"):
+        for name, r in figures[label].items():
+            lines.append(f"{label}.{name}.tokens_per_s={r['tokens_per_s']:.2f}")
+            lines.append(f"{label}.{name}.peak_slots_in_use={r['peak_slots_in_use']}")
+    ratios = {}
+    for name in policies:
+        ratios[f"peak_slots_ratio.{name}"] = (figures["unbounded"][name]["peak_slots_in_use"]
+                                              / max(figures["unbounded"]["dense"]["peak_slots_in_use"], 1))
+        ratios[f"throughput_ratio_unbounded.{name}"] = (figures["unbounded"][name]["tokens_per_s"]
+                                                        / figures["unbounded"]["dense"]["tokens_per_s"])
+        ratios[f"throughput_ratio_small_pool.{name}"] = (figures["small_pool"][name]["tokens_per_s"]
+                                                         / figures["small_pool"]["dense"]["tokens_per_s"])
+    figures["ratios"] = ratios
+    print("\n".join(lines))
+    print("\n".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

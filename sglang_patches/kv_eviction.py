@@ -169,7 +169,7 @@ class Compressor:
                         kept_len = self._compact(req, row, cached, req_to_token, freed, policy, settings)
                     else:
                         kept_len = self._rewrite(req, row, cached, req_to_token, allocator, freed, policy, settings,
-                                                 decode_slots=len(batch.reqs))
+                                                 decode_slots=len(batch.reqs), tree_cache=batch.tree_cache)
                     if kept_len is not None:
                         seq_lens[i] = kept_len
                         changed = True
@@ -217,7 +217,7 @@ class Compressor:
         return kept.numel()
 
     def _rewrite(self, req, row: int, cached: int, req_to_token, allocator, freed: list, policy: EvictionPolicy,
-                 settings: EngineKVSettings, decode_slots: int) -> Optional[int]:
+                 settings: EngineKVSettings, decode_slots: int, tree_cache: Any) -> Optional[int]:
         """Scoring policy: copy each layer's kept K/V into request-owned slots."""
         budget = settings.budget
         pool = allocator.get_kvcache()
@@ -227,7 +227,12 @@ class Compressor:
         extra = None
         if owned.numel() < budget:  # a long shared prompt: borrow fresh slots for the kept copies
             need = budget - owned.numel()
-            # leave the slots the scheduler checked for this decode step (one per running request)
+            # the radix tree may give back unused cached prefixes; leave the slots the scheduler
+            # checked for this decode step (one per running request)
+            from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+            if allocator.available_size() < need + decode_slots:
+                evict_from_tree_cache(tree_cache, need + decode_slots)
             extra = allocator.alloc(need) if allocator.available_size() >= need + decode_slots else None
             if extra is None:
                 STATS.skipped_no_room += 1

@@ -136,6 +136,7 @@ class Trainer:
                 rewards = [exact_answer_reward(s.response_text, records[s.prompt_index].label) for s in samples]
             batch = pack_samples(samples, rewards, pad_id=self.tokenizer.pad_token_id or 0)
             response_lens = [len(s.response_ids) for s in samples]
+            per_sample = self.per_sample_compression(samples)
             evicted = stats_after.get("evicted_tokens", 0) - stats_before.get("evicted_tokens", 0)
             payload = [(batch, {
                 "reward/mean": float(batch.rewards.mean()),
@@ -143,6 +144,8 @@ class Trainer:
                 "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
                 "kv/evicted_tokens": float(evicted),
                 "kv/evicted_tokens_per_sample": evicted / len(samples),
+                "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
+                "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
                 "kv/compactions": float(stats_after.get("compactions", 0) - stats_before.get("compactions", 0)),
                 "kv/freed_slots": float(stats_after.get("freed_slots", 0) - stats_before.get("freed_slots", 0)),
                 "kv/peak_slots_in_use": float(stats_after.get("peak_slots_in_use", 0)),
@@ -150,6 +153,17 @@ class Trainer:
             }, samples[0].response_text)]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
+
+    def per_sample_compression(self, samples) -> list[tuple[int, int]]:
+        """``(compressions, evicted tokens)`` of each sample, replayed from its lengths."""
+        from sparse_rl_mega.kv.policies import POLICIES, compression_schedule
+
+        kv = self.cfg.rollout.kv_compression
+        if kv.policy == "none":
+            return [(0, 0)] * len(samples)
+        needed = kv.window if POLICIES[kv.policy].queries_needed else 0
+        return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed)
+                for s in samples]
 
     def local_indices(self, batch_size: int) -> torch.Tensor:
         """Rows of the rollout batch this DP rank trains on: for optimizer step k, slice r of the

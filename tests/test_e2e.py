@@ -9,7 +9,7 @@ REQUIRED = ["reward/mean", "correction/veto_fraction", "correction/token_rejecte
             "kv/peak_slots_in_use", "time/rollout_s", "time/train_s", "time/sync_s", "train/loss",
             "sync/max_abs_logprob_diff", "sync/pre_sync_max_abs_logprob_diff", "mismatch/k1",
             "correction/is_ess_fraction", "train/entropy", "train/clip_fraction", "train/approx_kl_old",
-            "advantage/mean", "advantage/std", "advantage/zero_fraction", "train/kl_ref"]
+            "advantage/mean", "advantage/std", "advantage/zero_fraction", "train/kl_ref", "kv/compressions_per_sample", "kv/evicted_tokens_per_sample_max"]
 
 
 def _run(e2e_run):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from sparse_rl_mega.kv import build_policy
+from sparse_rl_mega.kv import build_policy, compression_schedule
 from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 from tests.conftest import ENGINE_KV
 
@@ -64,6 +64,21 @@ def test_group_sharing_a_cached_prompt_matches_reference(evicting_engine, hf_mod
     assert all(s.cached_tokens >= len(prompt) - 1 for s in samples)  # the shared prompt is a cache hit
     assert _check_samples(samples, hf_model, POLICY_CASES[name]) > 0
     assert after["dropped_shared_slots"] > before["dropped_shared_slots"]  # skipped, not freed
+
+
+@pytest.mark.parametrize("name", ["streaming", "rkv"])
+def test_per_request_compression_counts_follow_from_lengths(evicting_engine, name):
+    """The trainer's per-sample metrics replay the trigger; the engine's counters must agree."""
+    case = POLICY_CASES[name]
+    before = evicting_engine.kv_stats()
+    samples = evicting_engine.generate([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]], n_samples=2,
+                                       max_new_tokens=33, seed=4, kv_override=case, ignore_eos=True)
+    after = evicting_engine.kv_stats()
+    needed = ENGINE_KV["window"] if _policy(case).queries_needed else 0
+    replayed = [compression_schedule(len(s.prompt_ids), len(s.response_ids), ENGINE_KV["budget"],
+                                     ENGINE_KV["interval"], needed) for s in samples]
+    assert sum(c for c, _ in replayed) == after["compactions"] - before["compactions"] > 0
+    assert sum(e for _, e in replayed) == after["evicted_tokens"] - before["evicted_tokens"]
 
 
 def test_unknown_override_is_refused_before_reaching_the_engine(evicting_engine):

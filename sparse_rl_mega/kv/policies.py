@@ -223,3 +223,20 @@ def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: floa
     k = keys.float().repeat_interleave(group, dim=0)
     probs = ((k @ query.float().unsqueeze(-1)).squeeze(-1) * scaling).softmax(dim=-1)  # [q_heads, length]
     return probs.view(kv_heads, group, -1).sum(dim=1)
+
+
+def compression_schedule(prompt_len: int, response_len: int, budget: int, interval: int,
+                         queries_needed: int = 0) -> tuple[int, int]:
+    """``(compressions, evicted_tokens)`` of one request, from lengths alone.
+
+    Replays the trigger of :func:`should_compress` over the request's decode steps (the first response
+    token comes from the prefill; decode step ``t`` feeds response token ``t - 1``). The engine
+    follows the same rule, except when it has to postpone a compression for lack of free slots."""
+    cached, compressions, evicted = prompt_len, 0, 0
+    for step in range(1, response_len):
+        if should_compress(cached, budget, interval, step - 1, queries_needed):
+            evicted += cached - budget
+            cached = budget
+            compressions += 1
+        cached += 1
+    return compressions, evicted

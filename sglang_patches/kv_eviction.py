@@ -99,12 +99,12 @@ class RowState:
         if self.keep_mass and self.mass is None:
             self.mass = torch.zeros(rows, layers, kv_heads, max_len, dtype=torch.float32, device=device)
 
-    def window_queries(self, row: int, layer: int, count: int) -> torch.Tensor:
-        """The last ``count`` (<= ring size) queries of ``row`` at ``layer``, oldest first:
-        ``[q_heads, count, d]``."""
+    def window_queries(self, row: int, count: int) -> torch.Tensor:
+        """The last ``count`` (<= ring size) queries of ``row``, oldest first, every layer:
+        ``[layers, q_heads, count, d]``."""
         start = self.steps[row] - count
         order = [(start + j) % self.window for j in range(count)]
-        return self.queries[row, layer, order].transpose(0, 1)
+        return self.queries[row][:, order].transpose(1, 2)
 
 
 class Compressor:
@@ -239,24 +239,24 @@ class Compressor:
                 return None  # no room now: stay uncompressed this step, try again next step
         destination = owned[:budget] if extra is None else torch.cat([owned, extra.to(owned.dtype)])
         layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-        new_kv = []
-        for index, layer_id in enumerate(layers):
-            keys = pool.get_key_buffer(layer_id)[slots]  # [cached, kv_heads, d]
-            values = pool.get_value_buffer(layer_id)[slots]
-            window_queries = self.rows.window_queries(row, index, policy.window) if policy.queries_needed else None
-            mass = self.rows.mass[row, index, :, :cached] if self.rows.mass is not None else None
-            kept = policy.select(keys.transpose(0, 1), window_queries, budget, accumulated=mass)
-            if kept.dim() == 1:  # one set for the layer
-                new_kv.append((keys[kept], values[kept]))
-                if mass is not None:
-                    self.rows.mass[row, index, :, :budget] = mass[:, kept].clone()
-            else:  # [kv_heads, budget]: a set per KV head
-                heads = torch.arange(keys.shape[1]).unsqueeze(1)
-                new_kv.append((keys[kept, heads].transpose(0, 1), values[kept, heads].transpose(0, 1)))
-                if mass is not None:
-                    self.rows.mass[row, index, :, :budget] = mass.gather(1, kept).clone()
-            if mass is not None:
-                self.rows.mass[row, index, :, budget:].zero_()
+        keys = torch.stack([pool.get_key_buffer(layer_id)[slots] for layer_id in layers])  # [layers, cached, h, d]
+        values = torch.stack([pool.get_value_buffer(layer_id)[slots] for layer_id in layers])
+        window_queries = self.rows.window_queries(row, policy.window) if policy.queries_needed else None
+        mass = self.rows.mass[row, :, :, :cached] if self.rows.mass is not None else None  # [layers, h, cached]
+        kept = policy.select_layers(keys.transpose(1, 2), window_queries, budget,
+                                    accumulated=mass if policy.needs_accumulated else None)
+        if kept.dim() == 2:  # [layers, budget]: one set per layer
+            index = kept[:, :, None, None].expand(-1, -1, *keys.shape[2:])
+            kept_heads = kept.unsqueeze(1).expand(-1, keys.shape[2], -1)  # [layers, h, budget]
+        else:  # [layers, h, budget]: a set per KV head
+            index = kept.transpose(1, 2)[..., None].expand(-1, -1, -1, keys.shape[3])
+            kept_heads = kept
+        new_keys, new_values = keys.gather(1, index), values.gather(1, index)  # [layers, budget, h, d]
+        if mass is not None:
+            kept_mass = mass.gather(2, kept_heads)
+            self.rows.mass[row].zero_()
+            self.rows.mass[row, :, :, :budget] = kept_mass
+        new_kv = list(zip(new_keys, new_values))
         for layer_id, (k, v) in zip(layers, new_kv):
             pool.get_key_buffer(layer_id)[destination] = k
             pool.get_value_buffer(layer_id)[destination] = v
@@ -286,13 +286,22 @@ class Compressor:
         rows = forward_batch.req_pool_indices.to("cpu", torch.int64)
         q = q.view(rows.numel(), layer.tp_q_head_num, -1)
         index = layer.layer_id - pool.start_layer
-        keys_all = pool.get_key_buffer(layer.layer_id)
-        rows_index = {row: i for i, row in enumerate(rows.tolist())}
-        for row, length in zip(rows.tolist(), forward_batch.seq_lens.tolist()):
-            if row not in self.rows.mass_rows:
-                continue
-            keys = keys_all[req_to_token[row, :length]].transpose(0, 1)  # [kv_heads, length, d]
-            self.rows.mass[row, index, :, :length] += decode_attention_mass(keys, q[rows_index[row]], layer.scaling)
+        selected = [i for i, row in enumerate(rows.tolist()) if row in self.rows.mass_rows]
+        if not selected:
+            return
+        pick = torch.tensor(selected)
+        rows, q = rows[pick], q[pick]
+        lengths = forward_batch.seq_lens.to("cpu", torch.int64)[pick]
+        width = int(lengths.max())
+        slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
+        keys = pool.get_key_buffer(layer.layer_id)[slots]  # [n, width, h, d]
+        kv_heads, group = keys.shape[2], q.shape[1] // keys.shape[2]
+        logits = torch.einsum("nhd,nlhd->nhl", q.float(), keys.float().repeat_interleave(group, dim=2))
+        logits = logits * layer.scaling
+        beyond = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)  # positions past each request
+        probs = logits.masked_fill(beyond.unsqueeze(1), float("-inf")).softmax(dim=-1)
+        mass = probs.view(len(selected), kv_heads, group, width).sum(dim=2)
+        self.rows.mass[rows, index, :, :width] += mass
 
 
 def install(settings: EngineKVSettings) -> None:

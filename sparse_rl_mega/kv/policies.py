@@ -90,21 +90,33 @@ class EvictionPolicy:
     def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor], budget: int,
                length: Optional[int] = None, accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Kept indices, ascending: ``[budget]``, or ``[kv_heads, budget]`` with ``per_head``."""
+        return self.select_layers(keys.unsqueeze(0), None if window_queries is None else window_queries.unsqueeze(0),
+                                  budget, None if accumulated is None else accumulated.unsqueeze(0))[0]
+
+    def select_layers(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor], budget: int,
+                      accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`select` for several layers at once: ``keys [layers, kv_heads, length, d]``,
+        ``window_queries [layers, q_heads, w, d]``, ``accumulated [layers, kv_heads, length]`` ->
+        ``[layers, budget]`` (or ``[layers, kv_heads, budget]``). Ties go to the older token (stable
+        sort), so the choice does not depend on how many layers are selected together."""
         self.check_budget(budget)
-        n = int(length if length is not None else keys.shape[1])
+        layers, kv_heads, n, head_dim = keys.shape
         if n <= budget:
             kept = torch.arange(n)
-            return kept.expand(keys.shape[0], n).clone() if self.per_head and keys is not None else kept
+            return kept.expand(layers, kv_heads, n).clone() if self.per_head else kept.expand(layers, n).clone()
+        flat_queries = None if window_queries is None else window_queries.reshape(-1, *window_queries.shape[2:])
+        flat_accumulated = None if accumulated is None else accumulated.reshape(-1, n)
+        # layers x heads flatten into one head axis: the GQA grouping stays aligned (layer-major)
+        scores = self.score(keys.reshape(-1, n, head_dim), flat_queries, flat_accumulated).view(layers, kv_heads, n)
+        scores = scores[..., self.sink:n - self.window].float()
+        if not self.per_head:
+            scores = scores.sum(dim=1)  # [layers, middle]
+        free = budget - self.sink - self.window
+        top = scores.argsort(dim=-1, descending=True, stable=True)[..., :free]
         forced = torch.cat([torch.arange(self.sink), torch.arange(n - self.window, n)])
         middle = torch.arange(self.sink, n - self.window)
-        free = budget - forced.numel()
-        scores = self.score(keys, window_queries, accumulated)[:, self.sink:n - self.window].float()
-        if not self.per_head:
-            top = scores.sum(dim=0).topk(free, sorted=False).indices
-            return torch.cat([forced, middle[top]]).sort().values
-        top = scores.topk(free, dim=1, sorted=False).indices  # [kv_heads, free]
-        kept = torch.cat([forced.expand(scores.shape[0], -1), middle[top]], dim=1)
-        return kept.sort(dim=1).values
+        kept = torch.cat([forced.expand(*top.shape[:-1], -1), middle[top]], dim=-1)
+        return kept.sort(dim=-1).values
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, decode_attention_mass, should_compress
+from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress
 from sglang_patches.settings import REQUEST_KEY, EngineKVSettings
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")

@@ -51,6 +51,7 @@ class EngineKVStats:
         self.dropped_shared_slots = 0
         self.copied_tokens = 0
         self.skipped_no_room = 0
+        self.retractions = 0
         self.peak_slots_in_use = 0
         self.pool_size = 0
 
@@ -360,6 +361,7 @@ def install(settings: EngineKVSettings) -> None:
             # the KV is recomputed densely from the prompt and the output so far: start over
             setattr(self, OFFSET_ATTR, 0)
             setattr(self, RETRACTIONS_ATTR, getattr(self, RETRACTIONS_ATTR, 0) + 1)
+            STATS.retractions += 1
             return original_reset(self)
 
         Req.reset_for_retract = reset_for_retract

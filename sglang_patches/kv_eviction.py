@@ -164,8 +164,10 @@ class Compressor:
             else:
                 self.rows.mass_rows.discard(row)
             if policy is not None:
+                at_newline = bool(settings.newline_token_ids) and bool(req.output_ids) and \
+                    req.output_ids[-1] in settings.newline_token_ids
                 if should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
-                                   policy.min_decode_queries):
+                                   policy.min_decode_queries, at_newline):
                     if policy.position_only:
                         kept_len = self._compact(req, row, cached, req_to_token, freed, policy, settings)
                     else:

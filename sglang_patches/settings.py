@@ -20,6 +20,8 @@ class EngineKVSettings:
     interval: int = 128
     per_head: bool = False
     params: dict = field(default_factory=dict)  # policy-specific (kernel, pool, lam, similarity_threshold)
+    # newline trigger: also compress when past the budget and the token about to be decoded is one of these
+    newline_token_ids: list = field(default_factory=list)
     # let requests choose their own policy/budget (benchmarks and evaluation compare policies on one
     # engine); the engine then records decode queries and attention mass for every request, and
     # ``window`` is the largest window a request may ask for

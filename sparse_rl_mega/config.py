@@ -94,6 +94,8 @@ class KVCompressionConfig:
     window: int = 8
     interval: int = 128
     per_head: bool = False        # a kept set per KV head instead of one per layer (scoring policies)
+    # "newline": also compress whenever past the budget and the token about to be decoded ends a line
+    trigger: Literal["length", "newline"] = "length"
     kernel: int = 7               # snapkv / rkv: pooling kernel along the sequence (odd)
     pool: Literal["max", "avg"] = "max"  # snapkv: pooling mode
     lam: float = 0.1              # rkv: importance weight (1 - lam weighs redundancy)

@@ -104,7 +104,8 @@ class Trainer:
             started = time.perf_counter()
             log(f"[setup] starting SGLang engine (KV policy {r.kv_compression.policy}, "
                 f"budget {r.kv_compression.budget}) ...")
-            self.engine = RolloutEngine(cfg.model.path, engine_kv_settings(r.kv_compression), dtype=cfg.model.dtype,
+            self.engine = RolloutEngine(cfg.model.path, engine_kv_settings(r.kv_compression, self.tokenizer),
+                                        dtype=cfg.model.dtype,
                                         seed=cfg.trainer.seed, max_total_tokens=r.max_total_tokens,
                                         max_running_requests=r.max_running_requests,
                                         mem_fraction_static=r.mem_fraction_static,
@@ -162,8 +163,9 @@ class Trainer:
         if kv.policy == "none":
             return [(0, 0)] * len(samples)
         needed = kv.window if POLICIES[kv.policy].queries_needed else 0
-        return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed)
-                for s in samples]
+        newlines = set(self.engine.kv.newline_token_ids)
+        return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
+                                     [t in newlines for t in s.response_ids]) for s in samples]
 
     def local_indices(self, batch_size: int) -> torch.Tensor:
         """Rows of the rollout batch this DP rank trains on: for optimizer step k, slice r of the

@@ -81,6 +81,31 @@ def test_per_request_compression_counts_follow_from_lengths(evicting_engine, nam
     assert sum(e for _, e in replayed) == after["evicted_tokens"] - before["evicted_tokens"]
 
 
+@pytest.mark.parametrize("name", ["streaming", "rkv"])
+def test_newline_trigger_compresses_at_line_ends(evicting_engine, hf_model, name):
+    """With the newline trigger a request past the budget is also compressed before decoding a token
+    that ends a line; here every even token id plays the newline, so the trigger fires often."""
+    line_ends = list(range(0, 384, 2))
+    case = {**POLICY_CASES[name], "newline_token_ids": line_ends}
+    before = evicting_engine.kv_stats()
+    samples = evicting_engine.generate([[5, 6, 7, 8, 9, 10, 11]], n_samples=3, max_new_tokens=30, seed=9,
+                                       kv_override=case, ignore_eos=True)
+    after = evicting_engine.kv_stats()
+    ref = ReferenceDecoder(hf_model)
+    needed = ENGINE_KV["window"] if _policy(case).queries_needed else 0
+    with_newlines = length_only = 0
+    for s in samples:
+        logp, _ = ref.logprobs(s.prompt_ids, s.response_ids, _policy(case), ENGINE_KV["budget"],
+                               ENGINE_KV["interval"], newline_token_ids=line_ends)
+        assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < TOL
+        newline_at = [t in line_ends for t in s.response_ids]
+        with_newlines += compression_schedule(len(s.prompt_ids), len(s.response_ids), ENGINE_KV["budget"],
+                                              ENGINE_KV["interval"], needed, newline_at)[0]
+        length_only += compression_schedule(len(s.prompt_ids), len(s.response_ids), ENGINE_KV["budget"],
+                                             ENGINE_KV["interval"], needed)[0]
+    assert after["compactions"] - before["compactions"] == with_newlines > length_only
+
+
 def test_unknown_override_is_refused_before_reaching_the_engine(evicting_engine):
     with pytest.raises(ValueError, match="unknown KV settings"):
         evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2, kv_override={"budgett": 4})

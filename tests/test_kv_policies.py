@@ -141,3 +141,18 @@ def test_bad_parameters_are_refused():
         build_policy("snapkv", sink=0, window=4, kernel=4)
     with pytest.raises(KeyError, match="unknown KV eviction policy"):
         build_policy("magic", sink=0, window=4)
+
+
+def test_newline_tokens_come_from_the_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from sparse_rl_mega.config import KVCompressionConfig
+    from sparse_rl_mega.rollout.engine import engine_kv_settings
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    settings = engine_kv_settings(KVCompressionConfig(policy="rkv", trigger="newline"), tokenizer)
+    assert tokenizer("\n")["input_ids"][-1] in settings.newline_token_ids
+    assert all(tokenizer.decode([t]).endswith("\n") for t in settings.newline_token_ids)
+    assert engine_kv_settings(KVCompressionConfig(policy="rkv")).newline_token_ids == []
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        engine_kv_settings(KVCompressionConfig(policy="rkv", trigger="newline"))

@@ -17,7 +17,8 @@ selection sums them over KV heads. Policies that score with attention of the win
 attention every decode query paid to each key, accumulated by the caller (``accumulated``).
 
 When to compress (:func:`should_compress`): once the cached length reaches ``budget + interval``, the
-request is compressed back to ``budget`` tokens (the cache swings between B and B + interval).
+request is compressed back to ``budget`` tokens (the cache swings between B and B + interval); with
+the newline trigger also whenever it is past the budget and the token about to be decoded ends a line.
 """
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ import torch.nn.functional as F
 
 
 def should_compress(cached_len: int, budget: int, interval: int, decode_queries: int = 0,
-                    queries_needed: int = 0) -> bool:
-    """True when a request with ``cached_len`` tokens in its KV cache must be compressed now."""
-    return cached_len >= budget + interval and decode_queries >= queries_needed
+                    queries_needed: int = 0, at_newline: bool = False) -> bool:
+    """True when a request with ``cached_len`` tokens in its KV cache must be compressed now: it
+    reached ``budget + interval``, or (newline trigger) it is past the budget and the token about to be
+    decoded ends a line (``at_newline``). Scoring policies also need ``queries_needed`` decode queries."""
+    due = cached_len >= budget + interval or (at_newline and cached_len > budget)
+    return due and decode_queries >= queries_needed
 
 
 def window_attention(keys: torch.Tensor, window_queries: torch.Tensor) -> torch.Tensor:
@@ -238,15 +242,17 @@ def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: floa
 
 
 def compression_schedule(prompt_len: int, response_len: int, budget: int, interval: int,
-                         queries_needed: int = 0) -> tuple[int, int]:
+                         queries_needed: int = 0, newline_at: Optional[list[bool]] = None) -> tuple[int, int]:
     """``(compressions, evicted_tokens)`` of one request, from lengths alone.
 
     Replays the trigger of :func:`should_compress` over the request's decode steps (the first response
-    token comes from the prefill; decode step ``t`` feeds response token ``t - 1``). The engine
-    follows the same rule, except when it has to postpone a compression for lack of free slots."""
+    token comes from the prefill; decode step ``t`` feeds response token ``t - 1``); ``newline_at[t]``
+    says whether response token ``t`` ends a line (newline trigger). The engine follows the same rule,
+    except when it has to postpone a compression for lack of free slots."""
     cached, compressions, evicted = prompt_len, 0, 0
     for step in range(1, response_len):
-        if should_compress(cached, budget, interval, step - 1, queries_needed):
+        at_newline = bool(newline_at[step - 1]) if newline_at is not None else False
+        if should_compress(cached, budget, interval, step - 1, queries_needed, at_newline):
             evicted += cached - budget
             cached = budget
             compressions += 1

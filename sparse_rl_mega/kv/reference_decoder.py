@@ -96,10 +96,11 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                 policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1
-                 ) -> tuple[list[float], int]:
+                 policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1,
+                 newline_token_ids: Sequence[int] = ()) -> tuple[list[float], int]:
         """Logprob of each ``output_ids[t]`` given the prompt and earlier outputs, compressing as the
-        engine does (``policy`` None: dense). Returns ``(logprobs, evicted_token_count)``."""
+        engine does (``policy`` None: dense; ``newline_token_ids``: the newline trigger's tokens).
+        Returns ``(logprobs, evicted_token_count)``."""
         layers = len(self.model.model.layers)
         empty = torch.zeros(self.num_kv_heads, 0, self.head_dim)
         state = {"k": [empty] * layers, "v": [empty] * layers, "queries": [[] for _ in range(layers)],
@@ -109,7 +110,8 @@ class ReferenceDecoder:
         for t in range(1, len(output_ids)):
             cached = state["k"][0].shape[1]
             if policy is not None and should_compress(cached, budget, interval, len(state["queries"][0]),
-                                                      policy.min_decode_queries):
+                                                      policy.min_decode_queries,
+                                                      output_ids[t - 1] in newline_token_ids):
                 if policy.position_only:
                     kept = policy.select(None, None, budget, length=cached)
                     for name in ("k", "v"):

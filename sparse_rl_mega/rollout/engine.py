@@ -47,10 +47,27 @@ def _without_launcher_env():
         os.environ.update(saved)
 
 
-def engine_kv_settings(kv_cfg) -> EngineKVSettings:
-    """Map ``rollout.kv_compression`` of the run config onto the engine's settings."""
+def newline_token_ids(tokenizer) -> list[int]:
+    """Ids of the vocabulary entries whose text ends a line (the newline trigger's tokens)."""
+    ids = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text.endswith("\n"):
+            ids.append(token_id)
+    return ids
+
+
+def engine_kv_settings(kv_cfg, tokenizer=None) -> EngineKVSettings:
+    """Map ``rollout.kv_compression`` of the run config onto the engine's settings (the tokenizer is
+    needed for the newline trigger)."""
+    newlines = []
+    if kv_cfg.trigger == "newline":
+        if tokenizer is None:
+            raise ValueError("the newline trigger needs the tokenizer to find newline tokens")
+        newlines = newline_token_ids(tokenizer)
     return EngineKVSettings(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink, window=kv_cfg.window,
-                            interval=kv_cfg.interval, per_head=kv_cfg.per_head, params=kv_cfg.policy_params())
+                            interval=kv_cfg.interval, per_head=kv_cfg.per_head, params=kv_cfg.policy_params(),
+                            newline_token_ids=newlines)
 
 
 class RolloutEngine:

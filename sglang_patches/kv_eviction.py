@@ -152,7 +152,7 @@ class Compressor:
                               req_to_token.shape[1], key_buffer.device)
         seq_lens = batch.seq_lens_cpu.clone()
         freed: list[torch.Tensor] = []
-        changed = False
+        scoring: dict[tuple, list] = {}  # (policy, cached length) -> requests to compress together
         for i, req in enumerate(batch.reqs):
             row = req.kv.req_pool_idx
             self.rows.claim(row, req)
@@ -163,27 +163,30 @@ class Compressor:
                 self.rows.mass_rows.add(row)
             else:
                 self.rows.mass_rows.discard(row)
-            if policy is not None:
-                at_newline = bool(settings.newline_token_ids) and bool(req.output_ids) and \
-                    req.output_ids[-1] in settings.newline_token_ids
-                if should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
+            if policy is None:
+                continue
+            at_newline = bool(settings.newline_token_ids) and bool(req.output_ids) and \
+                req.output_ids[-1] in settings.newline_token_ids
+            if not should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
                                    policy.min_decode_queries, at_newline):
-                    if policy.position_only:
-                        kept_len = self._compact(req, row, cached, req_to_token, freed, policy, settings)
-                    else:
-                        kept_len = self._rewrite(req, row, cached, req_to_token, allocator, freed, policy, settings,
-                                                 decode_slots=len(batch.reqs), tree_cache=batch.tree_cache)
-                    if kept_len is not None:
-                        seq_lens[i] = kept_len
-                        changed = True
+                continue
+            if policy.position_only:
+                seq_lens[i] = self._compact(req, row, cached, req_to_token, freed, policy, settings)
+            else:
+                scoring.setdefault((id(policy), cached), []).append((i, req, row, policy, settings))
+        for (_, cached), group in scoring.items():
+            for i, kept_len in self._rewrite(group, cached, req_to_token, allocator, freed,
+                                             decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
+                seq_lens[i] = kept_len
+        rows = [req.kv.req_pool_idx for req in batch.reqs]
+        for row in rows:
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
         # where each request's query of this step goes in the ring (the same for every layer)
-        rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.step_slots = (torch.tensor(rows, dtype=torch.int64),
                            torch.tensor([(self.rows.steps[r] - 1) % self.rows.window for r in rows]))
         if freed:
             allocator.free(torch.cat(freed).to(torch.int64))
-        if changed:
+        if not torch.equal(seq_lens, batch.seq_lens_cpu):
             batch.seq_lens_cpu = seq_lens.to(batch.seq_lens_cpu.dtype)
             batch.seq_lens = seq_lens.to(device=batch.seq_lens.device, dtype=batch.seq_lens.dtype)
             batch.seq_lens_sum = None
@@ -219,55 +222,74 @@ class Compressor:
                      positions.numel() - owned.numel())
         return kept.numel()
 
-    def _rewrite(self, req, row: int, cached: int, req_to_token, allocator, freed: list, policy: EvictionPolicy,
-                 settings: EngineKVSettings, decode_slots: int, tree_cache: Any) -> Optional[int]:
-        """Scoring policy: copy each layer's kept K/V into request-owned slots."""
-        budget = settings.budget
-        pool = allocator.get_kvcache()
-        slots = req_to_token[row, :cached].clone()
-        protected = req.kv.cache_protected_len
-        owned = slots[protected:]
-        extra = None
-        if owned.numel() < budget:  # a long shared prompt: borrow fresh slots for the kept copies
-            need = budget - owned.numel()
-            # the radix tree may give back unused cached prefixes; leave the slots the scheduler
-            # checked for this decode step (one per running request)
-            from sglang.srt.mem_cache.common import evict_from_tree_cache
+    def _rewrite(self, group: list, cached: int, req_to_token, allocator, freed: list, decode_slots: int,
+                 tree_cache: Any) -> list[tuple[int, int]]:
+        """Scoring policy, for requests with the same policy and length (scored together): copy each
+        layer's kept K/V into request-owned slots. Returns ``(batch index, kept length)`` per
+        compressed request; a request without room for its copies waits for the next step."""
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
 
-            if allocator.available_size() < need + decode_slots:
-                evict_from_tree_cache(tree_cache, need + decode_slots)
-            extra = allocator.alloc(need) if allocator.available_size() >= need + decode_slots else None
-            if extra is None:
-                STATS.skipped_no_room += 1
-                return None  # no room now: stay uncompressed this step, try again next step
-        destination = owned[:budget] if extra is None else torch.cat([owned, extra.to(owned.dtype)])
+        policy, budget = group[0][3], group[0][4].budget
+        pool = allocator.get_kvcache()
+        members = []  # (batch index, req, row, slots, owned, destination, borrowed)
+        for i, req, row, _, _ in group:
+            slots = req_to_token[row, :cached].to(torch.int64)
+            owned = slots[req.kv.cache_protected_len:]
+            extra = None
+            if owned.numel() < budget:  # a long shared prompt: borrow fresh slots for the kept copies
+                need = budget - owned.numel()
+                # the radix tree may give back unused cached prefixes; leave the slots the scheduler
+                # checked for this decode step (one per running request)
+                if allocator.available_size() < need + decode_slots:
+                    evict_from_tree_cache(tree_cache, need + decode_slots)
+                if allocator.available_size() < need + decode_slots:
+                    STATS.skipped_no_room += 1
+                    continue  # no room now: stay uncompressed this step, try again next step
+                extra = allocator.alloc(need).to(torch.int64)
+            destination = owned[:budget] if extra is None else torch.cat([owned, extra])
+            members.append((i, req, row, slots, owned, destination, extra is not None))
+        if not members:
+            return []
+        n = len(members)
         layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-        keys = torch.stack([pool.get_key_buffer(layer_id)[slots] for layer_id in layers])  # [layers, cached, h, d]
-        values = torch.stack([pool.get_value_buffer(layer_id)[slots] for layer_id in layers])
-        window_queries = self.rows.window_queries(row, policy.window) if policy.queries_needed else None
-        mass = self.rows.mass[row, :, :, :cached] if self.rows.mass is not None else None  # [layers, h, cached]
+        slot_matrix = torch.stack([m[3] for m in members])  # [n, cached]
+        # [n * layers, cached, h, d], member-major
+        keys = torch.stack([pool.get_key_buffer(layer_id)[slot_matrix] for layer_id in layers], dim=1).flatten(0, 1)
+        values = torch.stack([pool.get_value_buffer(layer_id)[slot_matrix] for layer_id in layers], dim=1).flatten(0, 1)
+        member_rows = [m[2] for m in members]
+        window_queries = None
+        if policy.queries_needed:
+            window_queries = torch.cat([self.rows.window_queries(row, policy.window) for row in member_rows])
+        mass = None
+        if self.rows.mass is not None:
+            mass = self.rows.mass[member_rows][..., :cached].flatten(0, 1)  # [n * layers, h, cached]
         kept = policy.select_layers(keys.transpose(1, 2), window_queries, budget,
                                     accumulated=mass if policy.needs_accumulated else None)
-        if kept.dim() == 2:  # [layers, budget]: one set per layer
+        if kept.dim() == 2:  # [n * layers, budget]: one set per layer
             index = kept[:, :, None, None].expand(-1, -1, *keys.shape[2:])
-            kept_heads = kept.unsqueeze(1).expand(-1, keys.shape[2], -1)  # [layers, h, budget]
-        else:  # [layers, h, budget]: a set per KV head
+            kept_heads = kept.unsqueeze(1).expand(-1, keys.shape[2], -1)
+        else:  # [n * layers, h, budget]: a set per KV head
             index = kept.transpose(1, 2)[..., None].expand(-1, -1, -1, keys.shape[3])
             kept_heads = kept
-        new_keys, new_values = keys.gather(1, index), values.gather(1, index)  # [layers, budget, h, d]
+        new_keys = keys.gather(1, index).unflatten(0, (n, len(layers)))  # [n, layers, budget, h, d]
+        new_values = values.gather(1, index).unflatten(0, (n, len(layers)))
+        destinations = torch.stack([m[5] for m in members])  # [n, budget]
+        for position, layer_id in enumerate(layers):
+            pool.get_key_buffer(layer_id)[destinations] = new_keys[:, position]
+            pool.get_value_buffer(layer_id)[destinations] = new_values[:, position]
         if mass is not None:
-            kept_mass = mass.gather(2, kept_heads)
-            self.rows.mass[row].zero_()
-            self.rows.mass[row, :, :, :budget] = kept_mass
-        new_kv = list(zip(new_keys, new_values))
-        for layer_id, (k, v) in zip(layers, new_kv):
-            pool.get_key_buffer(layer_id)[destination] = k
-            pool.get_value_buffer(layer_id)[destination] = v
-        freed.append(owned[budget:] if extra is None else owned[:0])
-        req_to_token[row, :budget] = destination.to(req_to_token.dtype)
-        STATS.copied_tokens += budget
-        self._finish(req, cached, budget, 0, max(owned.numel() - budget, 0), protected)
-        return budget
+            kept_mass = mass.gather(2, kept_heads).unflatten(0, (n, len(layers)))
+            self.rows.mass[member_rows] = 0.0
+            self.rows.mass[member_rows, :, :, :budget] = kept_mass
+        done = []
+        for i, req, row, slots, owned, destination, borrowed in members:
+            protected = req.kv.cache_protected_len
+            freed.append(owned[:0] if borrowed else owned[budget:])
+            req_to_token[row, :budget] = destination.to(req_to_token.dtype)
+            STATS.copied_tokens += budget
+            self._finish(req, cached, budget, 0, max(owned.numel() - budget, 0), protected)
+            done.append((i, budget))
+        return done
 
     # ------------------------------------------------------------------ hooks on the model side
     def record(self, layer, q: torch.Tensor, forward_batch) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress
+from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, decode_attention_mass, should_compress
 from sglang_patches.settings import REQUEST_KEY, EngineKVSettings
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
@@ -215,8 +215,6 @@ class Compressor:
         owned = positions[positions >= protected]
         freed.append(slots[owned])
         req_to_token[row, :kept.numel()] = slots[kept]
-        if self.rows.mass is not None:
-            self.rows.mass[row, :, :, :kept.numel()] = self.rows.mass[row, :, :, kept].clone()
         # kept is ascending, so kept tree-owned positions remain a prefix of the row
         self._finish(req, cached, kept.numel(), int((kept < protected).sum()), owned.numel(),
                      positions.numel() - owned.numel())
@@ -261,10 +259,9 @@ class Compressor:
         if policy.queries_needed:
             window_queries = torch.cat([self.rows.window_queries(row, policy.window) for row in member_rows])
         mass = None
-        if self.rows.mass is not None:
+        if policy.needs_accumulated:
             mass = self.rows.mass[member_rows][..., :cached].flatten(0, 1)  # [n * layers, h, cached]
-        kept = policy.select_layers(keys.transpose(1, 2), window_queries, budget,
-                                    accumulated=mass if policy.needs_accumulated else None)
+        kept = policy.select_layers(keys.transpose(1, 2), window_queries, budget, accumulated=mass)
         if kept.dim() == 2:  # [n * layers, budget]: one set per layer
             index = kept[:, :, None, None].expand(-1, -1, *keys.shape[2:])
             kept_heads = kept.unsqueeze(1).expand(-1, keys.shape[2], -1)
@@ -319,13 +316,8 @@ class Compressor:
         lengths = forward_batch.seq_lens.to("cpu", torch.int64)[pick]
         width = int(lengths.max())
         slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
-        keys = pool.get_key_buffer(layer.layer_id)[slots]  # [n, width, h, d]
-        kv_heads, group = keys.shape[2], q.shape[1] // keys.shape[2]
-        logits = torch.einsum("nhd,nlhd->nhl", q.float(), keys.float().repeat_interleave(group, dim=2))
-        logits = logits * layer.scaling
-        beyond = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)  # positions past each request
-        probs = logits.masked_fill(beyond.unsqueeze(1), float("-inf")).softmax(dim=-1)
-        mass = probs.view(len(selected), kv_heads, group, width).sum(dim=2)
+        keys = pool.get_key_buffer(layer.layer_id)[slots].transpose(1, 2)  # [n, h, width, d]
+        mass = decode_attention_mass(keys, q, layer.scaling, lengths)
         self.rows.mass[rows, index, :, :width] += mass
 
 

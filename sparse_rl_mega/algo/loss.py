@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from sparse_rl_mega.algo.correction import divergence
 from sparse_rl_mega.config import AlgorithmConfig
 
 
@@ -42,15 +43,9 @@ def ppo_token_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages:
 
 
 def kl_penalty(logp_theta: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) on samples: k1, k2 or k3 (low variance, >= 0)."""
-    log_ratio = (logp_theta - logp_ref).clamp(-20.0, 20.0)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.pow(2)
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+    """Per-token estimate of KL(pi_theta || pi_ref) on samples: k1, k2 or k3 (low variance, >= 0);
+    the same estimators as the correction's, with ``log rho = log pi_ref - log pi_theta``."""
+    return divergence((logp_ref - logp_theta).clamp(-20.0, 20.0), estimator)
 
 
 def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -230,15 +230,21 @@ def build_policy(name: str, sink: int, window: int, **params) -> EvictionPolicy:
     return POLICIES[name](sink=sink, window=window, **params)
 
 
-def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: float,
+                          lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention one decode query pays to every cached key, summed over each KV head's query group:
-    ``keys [kv_heads, length, d]``, ``query [q_heads, d]`` -> ``[kv_heads, length]`` (float32).
+    ``keys [..., kv_heads, length, d]``, ``query [..., q_heads, d]`` -> ``[..., kv_heads, length]``
+    (float32). With a batch dimension, ``lengths [n]`` masks each request's keys past its length.
     H2O adds this up over decode steps."""
-    kv_heads = keys.shape[0]
-    group = query.shape[0] // kv_heads
-    k = keys.float().repeat_interleave(group, dim=0)
-    probs = ((k @ query.float().unsqueeze(-1)).squeeze(-1) * scaling).softmax(dim=-1)  # [q_heads, length]
-    return probs.view(kv_heads, group, -1).sum(dim=1)
+    kv_heads, length = keys.shape[-3], keys.shape[-2]
+    group = query.shape[-2] // kv_heads
+    k = keys.float().repeat_interleave(group, dim=-3)  # [..., q_heads, length, d]
+    logits = (k @ query.float().unsqueeze(-1)).squeeze(-1) * scaling  # [..., q_heads, length]
+    if lengths is not None:
+        beyond = torch.arange(length) >= lengths.unsqueeze(-1)  # [n, length]
+        logits = logits.masked_fill(beyond.unsqueeze(-2), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return probs.unflatten(-2, (kv_heads, group)).sum(dim=-2)
 
 
 def compression_schedule(prompt_len: int, response_len: int, budget: int, interval: int,

@@ -138,17 +138,19 @@ class Trainer:
             batch = pack_samples(samples, rewards, pad_id=self.tokenizer.pad_token_id or 0)
             response_lens = [len(s.response_ids) for s in samples]
             per_sample = self.per_sample_compression(samples)
-            evicted = stats_after.get("evicted_tokens", 0) - stats_before.get("evicted_tokens", 0)
+            delta = {key: float(stats_after.get(key, 0) - stats_before.get(key, 0))
+                     for key in ("evicted_tokens", "compactions", "freed_slots")}
+            evicted = delta["evicted_tokens"]
             payload = [(batch, {
                 "reward/mean": float(batch.rewards.mean()),
                 "rollout/response_len_mean": sum(response_lens) / len(response_lens),
                 "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
-                "kv/evicted_tokens": float(evicted),
+                "kv/evicted_tokens": evicted,
                 "kv/evicted_tokens_per_sample": evicted / len(samples),
                 "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
                 "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
-                "kv/compactions": float(stats_after.get("compactions", 0) - stats_before.get("compactions", 0)),
-                "kv/freed_slots": float(stats_after.get("freed_slots", 0) - stats_before.get("freed_slots", 0)),
+                "kv/compactions": delta["compactions"],
+                "kv/freed_slots": delta["freed_slots"],
                 "kv/peak_slots_in_use": float(stats_after.get("peak_slots_in_use", 0)),
                 "kv/pool_size": float(stats_after.get("pool_size", 0)),
             }, samples[0].response_text)]

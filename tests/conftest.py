@@ -69,6 +69,16 @@ def evicting_engine(tiny_model_dir):
     engine.shutdown()
 
 
+def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a helper script under torchrun on loopback with a free port (output captured)."""
+    from tools.launch import free_port
+
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+                           *map(str, args)], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def write_test_config(path: Path, model_dir: Path, run_dir: Path, extra: str = "") -> Path:
     path.write_text(f"""
 model:

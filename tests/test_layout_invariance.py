@@ -6,14 +6,12 @@ at several layouts; every gradient is gathered in HF names and compared with the
 single-micro-batch reference, for the three loss aggregations. In float64 the layouts must agree to
 rounding (the algorithm is exact); in float32 they may differ only by summation order.
 """
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "tests" / "helpers" / "grad_check.py"
@@ -24,22 +22,13 @@ AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 TOLERANCE = {"float64": 1e-12, "float32": 5e-6}  # max |grad diff| / max |grad|
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gradients(tiny_model_dir, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("grads")
     results = {}
     for name, (procs, tp, pp, mbs) in LAYOUTS.items():
         out = out_dir / f"{name.replace(' ', '_')}.pt"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-addr",
-             "127.0.0.1", "--master-port", str(_free_port()), str(HELPER), str(tiny_model_dir), str(tp), str(pp),
-             str(mbs), str(out)], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+        proc = run_torchrun(HELPER, tiny_model_dir, tp, pp, mbs, out, nproc=procs)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
         results[name] = torch.load(out)
     return results

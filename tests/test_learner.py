@@ -2,31 +2,19 @@
 an HF folder loaded into the shards and gathered back is bit-exact, and the learner's dense logprobs
 and entropies (from vocab-parallel logits, through the pipeline schedule) equal the HF model's."""
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_torchrun
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_shards_round_trip_and_logprobs_match_hf(tiny_model_dir, tmp_path, tp, pp):
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), str(ROOT / "tests" / "helpers" / "learner_check.py"),
-         str(tiny_model_dir), str(tp), str(pp), str(out)],
-        cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "learner_check.py", tiny_model_dir, tp, pp, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["same_names"] and result["bit_exact"]

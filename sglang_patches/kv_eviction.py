@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -38,6 +39,7 @@ from sglang_patches.settings import REQUEST_KEY, EngineKVSettings
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
 OFFSET_ATTR = "_sparse_rl_evicted_positions"
+PLAN_ATTR = "_sparse_rl_kv_plan"
 RETRACTIONS_ATTR = "_sparse_rl_retractions"
 
 
@@ -52,6 +54,10 @@ class EngineKVStats:
         self.copied_tokens = 0
         self.skipped_no_room = 0
         self.retractions = 0
+        # wall time spent in this patch: compression before decode steps, and the attention hooks
+        # (query recording, H2O attention mass); the benchmark reports them next to the run time
+        self.compress_seconds = 0.0
+        self.hook_seconds = 0.0
         self.peak_slots_in_use = 0
         self.pool_size = 0
 
@@ -135,11 +141,21 @@ class Compressor:
             self._policies[key] = policy
         return self._policies[key]
 
+    def plan_for(self, req: Any) -> tuple[EngineKVSettings, Optional[EvictionPolicy]]:
+        """The request's settings (the engine's, updated by its ``custom_params["sparse_rl_kv"]`` if
+        allowed) and policy (None when off). Resolved once per request: they never change, and the
+        scheduler asks for them every decode step and every admission decision."""
+        plan = getattr(req, PLAN_ATTR, None)
+        if plan is None:
+            custom = getattr(req.sampling_params, "custom_params", None) or {}
+            override = custom.get(REQUEST_KEY) if self.settings.allow_request_override else None
+            settings = self.settings.updated(override) if override else self.settings
+            plan = (settings, self.policy_for(settings) if settings.enabled else None)
+            setattr(req, PLAN_ATTR, plan)
+        return plan
+
     def settings_for(self, req: Any) -> EngineKVSettings:
-        """The engine's settings, updated by the request's ``custom_params["sparse_rl_kv"]`` if allowed."""
-        custom = getattr(req.sampling_params, "custom_params", None) or {}
-        override = custom.get(REQUEST_KEY) if self.settings.allow_request_override else None
-        return self.settings.updated(override) if override else self.settings
+        return self.plan_for(req)[0]
 
     def __call__(self, batch: Any) -> None:
         if not batch.reqs:
@@ -151,14 +167,14 @@ class Compressor:
         self.rows.ensure_mass(req_to_token.shape[0], self.kv_pool.layer_num, key_buffer.shape[1],
                               req_to_token.shape[1], key_buffer.device)
         seq_lens = batch.seq_lens_cpu.clone()
+        lengths = seq_lens.tolist()
         freed: list[torch.Tensor] = []
         scoring: dict[tuple, list] = {}  # (policy, cached length) -> requests to compress together
         for i, req in enumerate(batch.reqs):
             row = req.kv.req_pool_idx
             self.rows.claim(row, req)
-            settings = self.settings_for(req)
-            cached = int(seq_lens[i])
-            policy = self.policy_for(settings) if settings.enabled else None
+            settings, policy = self.plan_for(req)
+            cached = lengths[i]
             if policy is not None and policy.needs_accumulated:
                 self.rows.mass_rows.add(row)
             else:
@@ -302,7 +318,7 @@ class Compressor:
 
     def accumulate(self, layer, q: torch.Tensor, forward_batch) -> None:
         """Decode step, after attention: add the attention each query paid to its cached keys (H2O)."""
-        if not self.rows.keep_mass:
+        if not self.rows.keep_mass or not self.rows.mass_rows:
             return
         pool, req_to_token = self.kv_pool, self.req_to_token
         rows = forward_batch.req_pool_indices.to("cpu", torch.int64)
@@ -335,7 +351,9 @@ def install(settings: EngineKVSettings) -> None:
 
     def alloc_for_decode(batch, token_per_req):
         if compressor is not None:
+            started = time.perf_counter()
             compressor(batch)
+            STATS.compress_seconds += time.perf_counter() - started
         out_cache_loc = default_alloc(batch, token_per_req)
         STATS.observe_pool(batch.tree_cache.token_to_kv_pool_allocator)
         return out_cache_loc
@@ -363,10 +381,14 @@ def install(settings: EngineKVSettings) -> None:
             def forward(self, q, k, v, forward_batch, *args, **kwargs):
                 decode = forward_batch.forward_mode.is_decode()
                 if decode:
+                    started = time.perf_counter()
                     compressor.record(self, q, forward_batch)
+                    STATS.hook_seconds += time.perf_counter() - started
                 output = original_forward(self, q, k, v, forward_batch, *args, **kwargs)
                 if decode:
+                    started = time.perf_counter()
                     compressor.accumulate(self, q, forward_batch)
+                    STATS.hook_seconds += time.perf_counter() - started
                 return output
 
             RadixAttention.forward = forward

@@ -66,23 +66,29 @@ def ensure_model(path: Path) -> None:
 def run_variants(engine, prompts, args, variants) -> dict:
     results = {}
     for name, override in variants:
-        seconds, peak = float("inf"), 0
+        seconds, peak, patch_share = float("inf"), 0, {}
         for _ in range(args.repeats):
             engine.engine.flush_cache()
-            engine.kv_stats()  # resets the peak
+            before = engine.kv_stats()  # resets the peak
             started = time.perf_counter()
             samples = engine.generate(prompts, n_samples=1, max_new_tokens=args.new_tokens, temperature=1.0, seed=7,
                                       kv_override=override, ignore_eos=True)
-            seconds = min(seconds, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
             stats = engine.kv_stats()
+            if elapsed < seconds:  # the patch's share of the fastest run's wall time
+                patch_share = {k: (stats[k] - before[k]) / elapsed for k in ("compress_seconds", "hook_seconds")}
+            seconds = min(seconds, elapsed)
             peak = max(peak, stats["peak_slots_in_use"])
             postponed = stats.get("skipped_no_room", 0)
         tokens = sum(len(s.response_ids) for s in samples)
         results[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
                          "peak_slots_in_use": peak, "pool_size": stats["pool_size"],
-                         "compressions_postponed_total": postponed}
+                         "compressions_postponed_total": postponed,
+                         "compress_time_share": patch_share["compress_seconds"],
+                         "hook_time_share": patch_share["hook_seconds"]}
         print(f"  {name}: {tokens / seconds:.1f} tok/s, peak slots {peak}, postponed compressions "
-              f"(engine total) {postponed}", flush=True)
+              f"(engine total) {postponed}, time in compression {patch_share['compress_seconds']:.1%}, "
+              f"in attention hooks {patch_share['hook_seconds']:.1%}", flush=True)
     return results
 
 

@@ -18,8 +18,11 @@ number of evicted tokens is remembered and added to the request's decode positio
 logical positions (kept keys were stored already rotated).
 
 Decode queries (post-RoPE, per layer) are recorded by a hook on ``RadixAttention.forward`` into a
-ring of ``window`` per request row; for H2O the hook also adds, after each decode step, the attention
-the step's query paid to every cached key. A retracted request loses this state and restarts dense.
+ring of ``window`` per request row. H2O's accumulated attention is added from that ring in one
+batched pass whenever the ring is full or the request is about to be compressed (rather than a second
+attention pass every decode step): between compressions a request's keys only grow, so each recorded
+query still sees exactly the keys it saw when it was decoded. A retracted request loses this state and
+restarts dense.
 
 Needs ``page_size=1``, the non-overlap scheduler and no speculative decoding (the engine factory in
 ``sparse_rl_mega.rollout.engine`` sets these).
@@ -33,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, decode_attention_mass, should_compress
+from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
 from sglang_patches.settings import REQUEST_KEY, EngineKVSettings
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
@@ -54,8 +57,8 @@ class EngineKVStats:
         self.copied_tokens = 0
         self.skipped_no_room = 0
         self.retractions = 0
-        # wall time spent in this patch: compression before decode steps, and the attention hooks
-        # (query recording, H2O attention mass); the benchmark reports them next to the run time
+        # wall time spent in this patch: before decode steps (compression, H2O's attention mass) and in
+        # the attention hook (query recording); the benchmark reports them next to the run time
         self.compress_seconds = 0.0
         self.hook_seconds = 0.0
         self.peak_slots_in_use = 0
@@ -77,8 +80,9 @@ STATS = EngineKVStats()
 
 class RowState:
     """Per ``req_to_token`` row: recorded decode queries (a ring of ``window``) and, for H2O, the
-    attention mass each cached position received. Rows are reused by later requests: the owner is
-    checked before every decode step and a new owner starts empty."""
+    attention mass each cached position received from the queries already added (``pending`` more
+    wait in the ring). Rows are reused by later requests: the owner is checked before every decode
+    step and a new owner starts empty."""
 
     def __init__(self, window: int, keep_queries: bool, keep_mass: bool):
         self.window = window
@@ -86,7 +90,7 @@ class RowState:
         self.keep_mass = keep_mass
         self.owner: dict[int, tuple] = {}     # row -> (request id, its retraction count)
         self.steps: dict[int, int] = {}       # row -> decode queries recorded for the owner
-        self.mass_rows: set[int] = set()      # rows whose policy scores with attention mass (H2O)
+        self.pending: dict[int, int] = {}     # row -> recorded queries not yet added to ``mass`` (H2O)
         self.queries: Optional[torch.Tensor] = None  # [rows, layers, window, q_heads, d]
         self.mass: Optional[torch.Tensor] = None     # [rows, layers, kv_heads, max_len]
 
@@ -95,6 +99,7 @@ class RowState:
         if self.owner.get(row) != key:
             self.owner[row] = key
             self.steps[row] = 0
+            self.pending[row] = 0
             if self.mass is not None:
                 self.mass[row].zero_()
 
@@ -113,6 +118,13 @@ class RowState:
         order = [(start + j) % self.window for j in range(count)]
         return self.queries[row][:, order].transpose(1, 2)
 
+    def ring_queries(self, rows: list[int]) -> torch.Tensor:
+        """Each row's whole ring, oldest first: ``[len(rows), layers, q_heads, window, d]``."""
+        order = torch.tensor([[(self.steps[row] + j) % self.window for j in range(self.window)] for row in rows])
+        ring = self.queries[rows]  # [n, layers, window, q_heads, d]
+        ring = ring.gather(2, order[:, None, :, None, None].expand_as(ring))
+        return ring.transpose(2, 3)
+
 
 class Compressor:
     """Compresses the rows of requests that must be compressed, before a decode allocation."""
@@ -123,9 +135,11 @@ class Compressor:
         default = self.policy_for(settings) if settings.enabled else None
         # with per-request overrides any policy may show up: record what every policy needs
         any_policy = settings.allow_request_override
+        h2o = bool(default and default.needs_accumulated)
         self.rows = RowState(settings.window,
-                             keep_queries=any_policy or bool(default and default.queries_needed),
-                             keep_mass=any_policy or bool(default and default.needs_accumulated))
+                             keep_queries=any_policy or h2o or bool(default and default.queries_needed),
+                             keep_mass=any_policy or h2o)
+        self.scaling: Optional[float] = None  # attention scaling, seen by the hook
         # the scheduler and the model runner share one process (non-overlap, TP per process):
         # the attention hooks reach the pools through these references, set at each decode step
         self.req_to_token: Optional[torch.Tensor] = None
@@ -170,26 +184,32 @@ class Compressor:
         lengths = seq_lens.tolist()
         freed: list[torch.Tensor] = []
         scoring: dict[tuple, list] = {}  # (policy, cached length) -> requests to compress together
+        mass_rows: list[int] = []  # H2O rows: their next query goes into the mass
+        add_mass: list[tuple[int, int]] = []  # (row, cached length): add the ring's pending queries now
         for i, req in enumerate(batch.reqs):
             row = req.kv.req_pool_idx
             self.rows.claim(row, req)
             settings, policy = self.plan_for(req)
             cached = lengths[i]
-            if policy is not None and policy.needs_accumulated:
-                self.rows.mass_rows.add(row)
-            else:
-                self.rows.mass_rows.discard(row)
             if policy is None:
                 continue
             at_newline = bool(settings.newline_token_ids) and bool(req.output_ids) and \
                 req.output_ids[-1] in settings.newline_token_ids
-            if not should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
-                                   policy.min_decode_queries, at_newline):
+            due = should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
+                                  policy.min_decode_queries, at_newline)
+            if policy.needs_accumulated:
+                mass_rows.append(row)
+                pending = self.rows.pending[row]
+                if pending and (due or pending == self.rows.window):  # before compressing or overwriting
+                    add_mass.append((row, cached))
+            if not due:
                 continue
             if policy.position_only:
                 seq_lens[i] = self._compact(req, row, cached, req_to_token, freed, policy, settings)
             else:
                 scoring.setdefault((id(policy), cached), []).append((i, req, row, policy, settings))
+        if add_mass:
+            self._add_pending_mass(add_mass)
         for (_, cached), group in scoring.items():
             for i, kept_len in self._rewrite(group, cached, req_to_token, allocator, freed,
                                              decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
@@ -197,6 +217,8 @@ class Compressor:
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         for row in rows:
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
+        for row in mass_rows:
+            self.rows.pending[row] += 1
         # where each request's query of this step goes in the ring (the same for every layer)
         self.step_slots = (torch.tensor(rows, dtype=torch.int64),
                            torch.tensor([(self.rows.steps[r] - 1) % self.rows.window for r in rows]))
@@ -304,6 +326,25 @@ class Compressor:
             done.append((i, budget))
         return done
 
+    def _add_pending_mass(self, members: list[tuple[int, int]]) -> None:
+        """H2O: add the attention the rows' pending recorded queries paid to their cached keys, every
+        layer in one batched pass. ``members``: ``(row, cached length)``."""
+        pool, req_to_token = self.kv_pool, self.req_to_token
+        rows = [row for row, _ in members]
+        lengths = torch.tensor([cached for _, cached in members])
+        counts = torch.tensor([self.rows.pending[row] for row in rows])
+        width = int(lengths.max())
+        slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
+        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+        keys = torch.stack([pool.get_key_buffer(layer_id)[slots] for layer_id in layers], dim=1)  # [n, layers, L, h, d]
+        queries = self.rows.ring_queries(rows)  # [n, layers, q_heads, window, d]
+        n = len(rows)
+        mass = window_attention_mass(keys.flatten(0, 1).transpose(1, 2), queries.flatten(0, 1), self.scaling,
+                                     lengths.repeat_interleave(len(layers)), counts.repeat_interleave(len(layers)))
+        self.rows.mass[rows, :, :, :width] += mass.unflatten(0, (n, len(layers)))
+        for row in rows:
+            self.rows.pending[row] = 0
+
     # ------------------------------------------------------------------ hooks on the model side
     def record(self, layer, q: torch.Tensor, forward_batch) -> None:
         """Decode step, before attention: store this step's query per request row."""
@@ -312,34 +353,16 @@ class Compressor:
         rows, positions = self.step_slots
         q = q.view(rows.numel(), layer.tp_q_head_num, -1)
         pool = self.kv_pool
+        self.scaling = layer.scaling
         self.rows.ensure_queries(self.req_to_token.shape[0], pool.layer_num, layer.tp_q_head_num, q.shape[-1],
                                  q.dtype, q.device)
         self.rows.queries[rows, layer.layer_id - pool.start_layer, positions] = q.detach()
 
-    def accumulate(self, layer, q: torch.Tensor, forward_batch) -> None:
-        """Decode step, after attention: add the attention each query paid to its cached keys (H2O)."""
-        if not self.rows.keep_mass or not self.rows.mass_rows:
-            return
-        pool, req_to_token = self.kv_pool, self.req_to_token
-        rows = forward_batch.req_pool_indices.to("cpu", torch.int64)
-        q = q.view(rows.numel(), layer.tp_q_head_num, -1)
-        index = layer.layer_id - pool.start_layer
-        selected = [i for i, row in enumerate(rows.tolist()) if row in self.rows.mass_rows]
-        if not selected:
-            return
-        pick = torch.tensor(selected)
-        rows, q = rows[pick], q[pick]
-        lengths = forward_batch.seq_lens.to("cpu", torch.int64)[pick]
-        width = int(lengths.max())
-        slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
-        keys = pool.get_key_buffer(layer.layer_id)[slots].transpose(1, 2)  # [n, h, width, d]
-        mass = decode_attention_mass(keys, q, layer.scaling, lengths)
-        self.rows.mass[rows, index, :, :width] += mass
 
 
 def install(settings: EngineKVSettings) -> None:
-    """Hook decode allocation (compression + pool statistics), decode positions, the attention layer
-    (query recording, H2O accumulation), retraction and the scheduler's internal state."""
+    """Hook decode allocation (compression, H2O's attention mass, pool statistics), decode positions,
+    the attention layer (query recording), retraction and the scheduler's internal state."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
@@ -375,21 +398,15 @@ def install(settings: EngineKVSettings) -> None:
 
         ForwardBatch.init_new = classmethod(init_new)
 
-        if compressor.rows.keep_queries or compressor.rows.keep_mass:
+        if compressor.rows.keep_queries:
             original_forward = RadixAttention.forward
 
             def forward(self, q, k, v, forward_batch, *args, **kwargs):
-                decode = forward_batch.forward_mode.is_decode()
-                if decode:
+                if forward_batch.forward_mode.is_decode():
                     started = time.perf_counter()
                     compressor.record(self, q, forward_batch)
                     STATS.hook_seconds += time.perf_counter() - started
-                output = original_forward(self, q, k, v, forward_batch, *args, **kwargs)
-                if decode:
-                    started = time.perf_counter()
-                    compressor.accumulate(self, q, forward_batch)
-                    STATS.hook_seconds += time.perf_counter() - started
-                return output
+                return original_forward(self, q, k, v, forward_batch, *args, **kwargs)
 
             RadixAttention.forward = forward
 

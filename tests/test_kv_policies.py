@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparse_rl_mega.kv import POLICIES, build_policy, should_compress
-from sparse_rl_mega.kv.policies import decode_attention_mass
+from sparse_rl_mega.kv.policies import decode_attention_mass, window_attention_mass
 
 KV_HEADS, Q_HEADS, LENGTH, WINDOW, DIM = 2, 4, 23, 4, 8
 
@@ -117,6 +117,22 @@ def test_decode_attention_mass_sums_group_probabilities():
     mass = decode_attention_mass(keys, queries[:, 0], DIM ** -0.5)
     assert mass.shape == (KV_HEADS, LENGTH)
     assert torch.allclose(mass.sum(dim=1), torch.full((KV_HEADS,), float(Q_HEADS // KV_HEADS)), atol=1e-5)
+
+
+def test_window_attention_mass_equals_step_by_step_mass():
+    """The engine adds H2O's mass for several decode steps at once; the reference adds it per step."""
+    g = torch.Generator().manual_seed(5)
+    window, lengths, counts = 4, [9, 12], [4, 2]
+    keys = torch.randn(2, KV_HEADS, 14, DIM, generator=g)  # padded past each length with junk
+    queries = torch.randn(2, Q_HEADS, window, DIM, generator=g)
+    batched = window_attention_mass(keys, queries, 0.3, torch.tensor(lengths), torch.tensor(counts))
+    for r, (length, count) in enumerate(zip(lengths, counts)):
+        expected = torch.zeros(KV_HEADS, 14)
+        for i in range(window - count, window):  # query i was decoded with keys [0, position]
+            position = length - window + i
+            expected[:, :position + 1] += decode_attention_mass(keys[r, :, :position + 1], queries[r, :, i], 0.3)
+        assert torch.allclose(batched[r], expected, atol=1e-6), r
+    assert batched[1, :, 12:].abs().max() == 0  # keys past a length get nothing
 
 
 def test_streaming_keeps_sinks_and_recent():

@@ -247,6 +247,31 @@ def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: floa
     return probs.unflatten(-2, (kv_heads, group)).sum(dim=-2)
 
 
+def window_attention_mass(keys: torch.Tensor, queries: torch.Tensor, scaling: float, lengths: torch.Tensor,
+                          counts: torch.Tensor) -> torch.Tensor:
+    """Attention mass that each request's last ``counts[r]`` decode queries paid to every cached key,
+    summed over those queries and over each KV head's query group: what :func:`decode_attention_mass`
+    adds up step by step, computed for several steps at once (the keys of a request only grow between
+    compressions, so every step's keys are still in the cache).
+
+    ``keys [n, kv_heads, L, d]`` (``L`` >= every length), ``queries [n, q_heads, w, d]`` oldest first,
+    of which the last ``counts[r]`` (<= w) are real; query ``i`` belongs to cache position
+    ``lengths[r] - w + i`` and saw the keys up to it. Returns ``[n, kv_heads, L]`` (float32)."""
+    n, kv_heads, width, head_dim = keys.shape
+    q_heads, w = queries.shape[1], queries.shape[2]
+    group = q_heads // kv_heads
+    q = queries.float().reshape(n, kv_heads, group * w, head_dim)  # query head h serves KV head h // group
+    logits = (q @ keys.float().transpose(-1, -2) * scaling).view(n, kv_heads, group, w, width)
+    query_pos = lengths.unsqueeze(1) - w + torch.arange(w)  # [n, w]
+    visible = torch.arange(width) <= query_pos.unsqueeze(-1)  # [n, w, L]; also hides keys past a length
+    real = torch.arange(w) >= (w - counts).unsqueeze(1)  # [n, w]
+    visible &= real.unsqueeze(-1)
+    visible[..., 0] |= ~real  # padding queries see one key (no NaN); their rows are zeroed below
+    probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
+    probs = probs * real[:, None, None, :, None]
+    return probs.sum(dim=(2, 3))
+
+
 def compression_schedule(prompt_len: int, response_len: int, budget: int, interval: int,
                          queries_needed: int = 0, newline_at: Optional[list[bool]] = None) -> tuple[int, int]:
     """``(compressions, evicted_tokens)`` of one request, from lengths alone.

@@ -243,6 +243,10 @@ class CheckpointConfig:
     save_interval: int = 0  # iterations between saves; 0 = never
     keep_last: int = 2
     dir: Optional[str] = None  # None: <run_dir>/checkpoints
+    # resume from: "auto" (the newest complete checkpoint under ``dir``; start fresh when there is
+    # none), a checkpoint folder (iter_*) or a folder of checkpoints; None: start from model.path.
+    # The layout (TP/PP/DP) may differ from the one that saved.
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -470,6 +474,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(t.lr > 0, source, "trainer.lr", f"must be > 0, got {t.lr}")
     _require(cfg.checkpoint.save_interval >= 0, source, "checkpoint.save_interval", "must be >= 0")
     _require(cfg.checkpoint.keep_last >= 1, source, "checkpoint.keep_last", "must be >= 1")
+    resume = cfg.checkpoint.resume
+    _require(resume in (None, "auto") or Path(resume).is_dir(), source, "checkpoint.resume",
+             f"must be 'auto', null or an existing checkpoint folder; {resume!r} is not a folder")
 
     m = cfg.model
     if m.fp8 is not None:

@@ -26,11 +26,16 @@ def default_tracking_uri(run_dir: str | Path) -> str:
 
 
 class Tracker:
-    """Thin wrapper over one MLflow run; a disabled tracker accepts the same calls and does nothing."""
+    """Thin wrapper over one MLflow run; a disabled tracker accepts the same calls and does nothing.
 
-    def __init__(self, cfg: RunConfig, enabled: bool = True):
+    ``resume_run_id`` (from a checkpoint) continues that run when it exists in this tracking store:
+    metrics go on at the resumed steps, and the resuming config is logged as an extra artifact (its
+    values may differ, e.g. another layout, and MLflow refuses to change a logged parameter)."""
+
+    def __init__(self, cfg: RunConfig, enabled: bool = True, resume_run_id: Optional[str] = None):
         self.enabled = enabled and cfg.tracking.enabled
         self.run_id: Optional[str] = None
+        self.continued = False
         if not self.enabled:
             return
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -48,13 +53,28 @@ class Tracker:
             experiment_id = mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
         else:
             experiment_id = experiment.experiment_id
+        config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        if resume_run_id is not None and self._exists(resume_run_id):
+            run = mlflow.start_run(run_id=resume_run_id)
+            self.run_id, self.continued = run.info.run_id, True
+            mlflow.log_text(config_text, f"config_resumed_{run.info.end_time or 0}.yaml")
+            return
         run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.tracking.run_name)
         self.run_id = run.info.run_id
+        if resume_run_id is not None:
+            mlflow.set_tag("resumed_from_run", resume_run_id)
         params = _flatten(cfg.to_dict())
         items = list(params.items())
         for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             mlflow.log_params(dict(items[start:start + 100]))
-        mlflow.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
+        mlflow.log_text(config_text, "config.yaml")
+
+    def _exists(self, run_id: str) -> bool:
+        try:
+            self.mlflow.get_run(run_id)
+            return True
+        except Exception:  # another tracking store: MLflow raises its own not-found error
+            return False
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.enabled:

@@ -59,6 +59,8 @@ class Trainer:
         self.engine = None
         self.tracker = None
         self.ref_model = None
+        self.start_iteration = 0
+        self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -92,6 +94,7 @@ class Trainer:
             load_hf_into_model(self.ref_model, cfg.model.path, cfg.model.arch)
         log(f"[setup] learner TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
             f"DP={self.dp_size}; weights loaded from {cfg.model.path}")
+        self.maybe_resume()
 
         if self.rank == 0:
             from transformers import AutoTokenizer
@@ -111,10 +114,39 @@ class Trainer:
                                         mem_fraction_static=r.mem_fraction_static,
                                         attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size)
             log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
-            self.tracker = Tracker(cfg)
+            resume_run = (self.resumed_from or {}).get("mlflow_run_id")
+            self.tracker = Tracker(cfg, resume_run_id=resume_run)
             if self.tracker.enabled:
-                log(f"[setup] MLflow run {self.tracker.run_id} at {self.tracker.tracking_uri}")
+                how = "continued" if self.tracker.continued else "started"
+                log(f"[setup] MLflow run {self.tracker.run_id} {how} at {self.tracker.tracking_uri}")
         dist.barrier()
+        if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
+            self.sync_weights(PhaseTimer(), None)
+            log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
+
+    def checkpoint_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.dir or Path(self.cfg.trainer.run_dir) / "checkpoints")
+
+    def maybe_resume(self) -> None:
+        """Load model, optimizer and RNG from ``checkpoint.resume`` (any TP/PP layout)."""
+        from sparse_rl_mega.learner.checkpoint import find_checkpoint, load_checkpoint
+
+        spec = self.cfg.checkpoint.resume
+        if spec is None:
+            return
+        path = find_checkpoint(spec, self.checkpoint_dir())
+        if path is None:
+            log(f"[setup] checkpoint.resume=auto: no checkpoint under {self.checkpoint_dir()}, starting fresh")
+            return
+        started = time.perf_counter()
+        self.resumed_from = load_checkpoint(self.learner, path)
+        self.start_iteration = int(self.resumed_from["iteration"])
+        saved = self.resumed_from.get("layout", {})
+        log(f"[setup] resumed from {path} (iteration {self.start_iteration}, saved at TP="
+            f"{saved.get('tensor_model_parallel_size')} PP={saved.get('pipeline_model_parallel_size')}) "
+            f"in {time.perf_counter() - started:.1f} s")
+        if self.start_iteration >= self.cfg.trainer.iterations:
+            log(f"[setup] trainer.iterations={self.cfg.trainer.iterations} already reached: nothing to train")
 
     # ------------------------------------------------------------------ phases
     def rollout(self, iteration: int, timer: PhaseTimer):
@@ -198,6 +230,7 @@ class Trainer:
                 metrics["sync/bytes"] = float(sum(t.numel() for t in hf_state.values()) * dtype.itemsize)
         if self.rank == 0 and check:
             metrics["sync/max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids), learner_logp)
+            self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
         return metrics
 
     def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
@@ -220,7 +253,7 @@ class Trainer:
         cfg = self.cfg
         algo, correction = cfg.algorithm, cfg.algorithm.correction
         group_size, mbs = cfg.rollout.n_samples_per_prompt, cfg.trainer.micro_batch_size
-        for iteration in range(cfg.trainer.iterations):
+        for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
             batch, metrics, example = self.rollout(iteration, timer)
@@ -270,8 +303,10 @@ class Trainer:
                 from sparse_rl_mega.learner.checkpoint import save_checkpoint
 
                 with timer.phase("checkpoint"):
-                    ckpt_dir = cfg.checkpoint.dir or str(Path(cfg.trainer.run_dir) / "checkpoints")
-                    save_checkpoint(self.learner, ckpt_dir, iteration + 1, cfg.checkpoint.keep_last)
+                    extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
+                             "initial_model": cfg.model.path, "config": cfg.to_dict()}
+                    save_checkpoint(self.learner, self.checkpoint_dir(), iteration + 1, cfg.checkpoint.keep_last,
+                                    extra=extra)
 
             metrics.update(timer.metrics())
             metrics["time/iteration_s"] = time.perf_counter() - started

@@ -93,10 +93,10 @@ rollout:
   max_running_requests: 16
   kv_compression: {{policy: rkv, budget: 12, sink: 2, window: 4, interval: 2, kernel: 3}}
 data: {{train_path: {TRAIN_DATA}, prompts_per_iteration: 4}}
-trainer: {{iterations: 2, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
+trainer: {{iterations: 3, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
 algorithm: {{kl_coef: 0.01, entropy_coef: 0.001, dual_clip: 3.0, correction: {{preset: sparse_rl}}}}
 tracking: {{experiment: e2e-test}}
-checkpoint: {{save_interval: 1, keep_last: 1}}
+checkpoint: {{save_interval: 1, keep_last: 2}}
 {extra}
 """)
     return path

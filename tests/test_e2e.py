@@ -27,8 +27,8 @@ def test_iterations_complete_and_metrics_land_in_mlflow(e2e_run):
     assert run.info.status == "FINISHED"
     for key in REQUIRED:
         history = client.get_metric_history(run.info.run_id, key)
-        assert [m.step for m in history] == [0, 1], key
-    assert "[iter 2/2]" in proc.stdout
+        assert [m.step for m in history] == [0, 1, 2], key
+    assert "[iter 3/3]" in proc.stdout
     assert run.data.params["parallel.pipeline_model_parallel_size"] == "2"
 
 
@@ -52,5 +52,7 @@ def test_checkpoint_saved_and_only_last_kept(e2e_run):
     run_dir, proc = e2e_run
     assert proc.returncode == 0
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert kept == ["iter_0000002"]  # save_interval 1, keep_last 1: iteration 1's was removed
-    assert (run_dir / "checkpoints" / "iter_0000002" / "metadata.json").is_file()
+    assert kept == ["iter_0000002", "iter_0000003"]  # save_interval 1, keep_last 2: iteration 1's was removed
+    for name in kept:
+        assert (run_dir / "checkpoints" / name / "metadata.json").is_file()
+        assert (run_dir / "checkpoints" / name / "sparse_rl_mega.json").is_file()

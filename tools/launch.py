@@ -32,7 +32,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="validate the config, print the layout and exit without starting anything")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value by dotted path (repeatable), e.g. --set trainer.iterations=5")
-    return parser.parse_args(argv)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint under checkpoint.dir (same as "
+                             "--set checkpoint.resume=auto); a different TP/PP layout may load it")
+    args = parser.parse_args(argv)
+    if args.resume:
+        args.overrides.append("checkpoint.resume=auto")
+    return args
 
 
 def describe_layout(cfg: RunConfig) -> str:

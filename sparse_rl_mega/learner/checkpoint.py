@@ -1,31 +1,117 @@
-"""Checkpoints with ``megatron.core.dist_checkpointing``: model and optimizer shards plus the
-iteration, saved as ``<dir>/iter_<NNNNNNN>``; only the newest ``keep_last`` are kept."""
+"""Resumable checkpoints with ``megatron.core.dist_checkpointing``.
+
+``<dir>/iter_<NNNNNNN>/`` holds:
+
+* the model and optimizer shards (dist_checkpointing: any TP/PP layout can load them, the optimizer's
+  Adam moments included, so a run may resume on a different layout);
+* ``sparse_rl_mega.json``: the iteration completed, the world layout, the MLflow run id and the
+  resolved config (for the record; the resuming run's own config is what runs);
+* ``rng/rank_<R>.pt``: every rank's torch (and CUDA) RNG state, restored only when the layout is the
+  same (another layout has other ranks; the loop's sampling seeds derive from the iteration anyway).
+
+A checkpoint is complete once ``sparse_rl_mega.json`` exists (written last); only the newest
+``keep_last`` are kept. The data position is the iteration: batch ``k`` is a pure function of the
+data seed and ``k`` (``PromptDataset.batch``).
+"""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.learner.model import Learner
 
+MARKER = "sparse_rl_mega.json"
 
-def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep_last: int) -> Path:
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(),
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep_last: int,
+                    extra: Optional[dict] = None) -> Path:
+    """Save after ``iteration`` iterations (every rank calls this). ``extra`` goes into the marker."""
     from megatron.core import dist_checkpointing
 
     root = Path(ckpt_dir)
     target = root / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
-        target.mkdir(parents=True, exist_ok=True)  # dist_checkpointing needs an existing, empty folder
+        if target.exists():  # a partial save from a crashed run, or a rerun of the same iteration
+            shutil.rmtree(target)
+        target.mkdir(parents=True)  # dist_checkpointing needs an existing, empty folder
     dist.barrier()
     model_state = learner.module.sharded_state_dict()
     state = {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
     dist_checkpointing.save(state, str(target))
+    (target / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), target / "rng" / f"rank_{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        (target / "sparse_rl_mega.json").write_text(json.dumps({"iteration": iteration}))
-        for old in sorted(root.glob("iter_*"))[:-keep_last]:
+        marker = {"iteration": iteration, "layout": _layout(), **(extra or {})}
+        (target / MARKER).write_text(json.dumps(marker, indent=1, default=str))
+        complete = sorted(p for p in root.glob("iter_*") if (p / MARKER).is_file())
+        for old in complete[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return target
+
+
+def find_checkpoint(spec: str, default_dir: str | Path) -> Optional[Path]:
+    """Resolve ``checkpoint.resume``: ``auto`` -> the newest complete checkpoint under
+    ``default_dir`` (None when there is none); otherwise a checkpoint folder (``iter_*``) or a
+    folder of checkpoints (its newest complete one). Raises when an explicit path has none."""
+    if spec == "auto":
+        root = Path(default_dir)
+        complete = sorted(p for p in root.glob("iter_*") if (p / MARKER).is_file()) if root.is_dir() else []
+        return complete[-1] if complete else None
+    path = Path(spec)
+    if (path / MARKER).is_file():
+        return path
+    complete = sorted(p for p in path.glob("iter_*") if (p / MARKER).is_file()) if path.is_dir() else []
+    if not complete:
+        raise FileNotFoundError(f"checkpoint.resume {spec}: no complete checkpoint there "
+                                f"(expected {MARKER} in it or in an iter_* folder under it)")
+    return complete[-1]
+
+
+def read_marker(path: str | Path) -> dict:
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def load_checkpoint(learner: Learner, path: str | Path) -> dict:
+    """Load model and optimizer shards into this rank's learner (every rank calls this; the layout
+    may differ from the one that saved) and restore the RNG when the layout is the same. Returns the
+    marker (``iteration``, ``layout``, ...)."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    marker = read_marker(path)
+    model_state = learner.module.sharded_state_dict()
+    state = {"model": model_state,
+             "optimizer": learner.optimizer.sharded_state_dict(model_state, is_loading=True)}
+    loaded = dist_checkpointing.load(state, str(path))
+    learner.module.load_state_dict(loaded["model"])
+    learner.optimizer.load_state_dict(loaded["optimizer"])
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if marker.get("layout") == _layout() and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    dist.barrier()
+    return marker

@@ -163,6 +163,10 @@ class RolloutEngine:
         self.weight_version += 1
         return self.weight_version
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (the next rollout starts from the same state whatever ran before)."""
+        self.engine.flush_cache()
+
     # ------------------------------------------------------------------ stats and lifetime
     def kv_stats(self) -> dict:
         """Engine KV statistics: cumulative eviction counters and the peak pool use since last call."""

@@ -32,19 +32,39 @@ class ConfigError(ValueError):
 
 @dataclass
 class ArchConfig:
-    """Transformer shape. Checked against the HF ``config.json`` when the model folder exists."""
-    family: Literal["llama", "qwen2"] = "llama"
+    """Transformer shape. Checked against the HF ``config.json`` when the model folder exists.
+
+    The family fixes what the layout cannot say: ``qwen2`` always has q/k/v biases, ``qwen3`` has a
+    per-head RMSNorm on queries and keys (``q_norm``/``k_norm``; Megatron's ``qk_layernorm``) and no
+    biases, ``llama`` neither."""
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: int = 2
+    # width of one attention head; None: hidden_size / num_attention_heads (Qwen3 sets it explicitly)
+    head_dim: Optional[int] = None
     vocab_size: int = 512
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # q/k/v projection biases (implied by family qwen2)
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head (Megatron's ``kv_channels``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.qkv_bias or self.family == "qwen2"
+
+    @property
+    def qk_layernorm(self) -> bool:
+        """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+        return self.family == "qwen3"
 
 
 @dataclass
@@ -227,6 +247,11 @@ class TrainerConfig:
     # learner's and log the largest difference (sync/max_abs_logprob_diff).
     verify_sync: bool = True
     sync_bucket_mb: float = 256.0
+    # how weights reach the engines: "tensor" (update_weights_from_tensor, in-process tensors; colocated
+    # engines) or "broadcast" (a process group joined by the learner's rank 0 and the engine's ranks,
+    # init_weights_update_group + update_weights_from_distributed; gloo on CPU, NCCL on GPU; needed by
+    # engines on other devices or nodes)
+    sync_method: Literal["tensor", "broadcast"] = "tensor"
     torch_threads: int = 1
 
 
@@ -402,8 +427,15 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
 
     _require(bool(cfg.model.path), source, "model.path", "required: an HF model folder (or where to create one)")
     _require(bool(d.train_path), source, "data.train_path", "required: a jsonl file of prompts and labels")
-    _require(a.hidden_size % a.num_attention_heads == 0, source, "model.arch.hidden_size",
-             f"{a.hidden_size} is not divisible by num_attention_heads={a.num_attention_heads}")
+    if a.head_dim is None:
+        _require(a.hidden_size % a.num_attention_heads == 0, source, "model.arch.hidden_size",
+                 f"{a.hidden_size} is not divisible by num_attention_heads={a.num_attention_heads} "
+                 "(set model.arch.head_dim for heads of another width)")
+    else:
+        _require(a.head_dim > 0, source, "model.arch.head_dim", f"must be > 0, got {a.head_dim}")
+    _require(not a.qkv_bias or a.family == "qwen2", source, "model.arch.qkv_bias",
+             f"q/k/v-only biases exist in family qwen2; HF {a.family}'s attention_bias also biases o_proj, "
+             "which the Megatron map does not carry")
     _require(a.num_attention_heads % a.num_query_groups == 0, source, "model.arch.num_query_groups",
              f"{a.num_query_groups} must divide num_attention_heads={a.num_attention_heads}")
     _require(a.num_attention_heads % tp == 0, source, "parallel.tensor_model_parallel_size",
@@ -426,6 +458,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(a.num_attention_heads % r.engine_tensor_parallel_size == 0, source,
              "rollout.engine_tensor_parallel_size",
              f"{r.engine_tensor_parallel_size} must divide model.arch.num_attention_heads={a.num_attention_heads}")
+    _require(r.placement != "separate" or t.sync_method == "broadcast", source, "trainer.sync_method",
+             "separate engines (rollout.placement: separate) receive weights by broadcast: set 'broadcast'")
     if r.placement == "colocated":
         need = r.num_engines * r.engine_tensor_parallel_size
         _require(need <= cfg.world_size, source, "rollout.num_engines",
@@ -515,17 +549,40 @@ def _validate_correction(c: CorrectionConfig, source: str) -> None:
 
 
 def arch_from_hf_config(model_dir: str | Path) -> dict:
-    """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines)."""
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
+
+    Reads both config layouts of transformers (``rope_theta`` at the top, 4.x, or inside
+    ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model type,
+    RoPE scaling, MLP biases, sliding-window attention) raise :class:`ConfigError` naming the file and key."""
+    path = Path(model_dir) / "config.json"
+    hf = json.loads(path.read_text())
     names = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
              "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
-             "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+             "head_dim": "head_dim", "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
              "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
     arch = {ours: hf[theirs] for ours, theirs in names.items() if hf.get(theirs) is not None}
     arch.setdefault("num_query_groups", arch.get("num_attention_heads"))
-    if hf.get("model_type") in ("llama", "qwen2"):
-        arch["family"] = hf["model_type"]
+    model_type = hf.get("model_type")
+    if model_type is not None:
+        if model_type not in _HF_FAMILIES:
+            raise ConfigError(f"{path}: model_type {model_type!r} is not supported; expected one of: "
+                              f"{', '.join(_HF_FAMILIES)}")
+        arch["family"] = model_type
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_theta") is not None:
+        arch["rope_theta"] = rope["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{path}: rope type {rope_type!r} is not supported (only plain RoPE: 'default')")
+    for key in ("mlp_bias", "use_sliding_window"):
+        if hf.get(key):
+            raise ConfigError(f"{path}: {key} = {hf[key]!r} is not supported")
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+        arch["qkv_bias"] = True  # rejected by validation, naming model.arch.qkv_bias
     return arch
+
+
+_HF_FAMILIES = typing.get_args(typing.get_type_hints(ArchConfig)["family"])
 
 
 def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
@@ -536,8 +593,16 @@ def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
                  f"{cfg.model.path} exists but has no config.json")
         return
     hf_arch = arch_from_hf_config(cfg.model.path)
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "vocab_size"):
-        ours = getattr(cfg.model.arch, name)
+    a = cfg.model.arch
+    for name in ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "vocab_size", "tie_word_embeddings"):
+        ours = getattr(a, name)
         _require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
                  f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
+    if "head_dim" in hf_arch:
+        _require(a.kv_channels == hf_arch["head_dim"], source, "model.arch.head_dim",
+                 f"heads of width {a.kv_channels} disagree with {hf_config} (head_dim {hf_arch['head_dim']})")
+    for name in ("rope_theta", "norm_eps"):  # floats (HF may store 1e-5 as 9.99999974e-06)
+        ours = getattr(a, name)
+        _require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,
+                 f"model.arch.{name}", f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")

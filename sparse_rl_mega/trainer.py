@@ -114,6 +114,12 @@ class Trainer:
                                         mem_fraction_static=r.mem_fraction_static,
                                         attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size)
             log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
+            if cfg.trainer.sync_method == "broadcast":
+                from sparse_rl_mega.ports import free_port
+
+                self.engine.connect_weight_group("127.0.0.1", free_port(),
+                                                 backend="gloo" if not torch.cuda.is_available() else "nccl")
+                log("[setup] weight-update group joined (broadcast sync)")
             resume_run = (self.resumed_from or {}).get("mlflow_run_id")
             self.tracker = Tracker(cfg, resume_run_id=resume_run)
             if self.tracker.enabled:
@@ -165,6 +171,10 @@ class Trainer:
                                                cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                                cfg.rollout.top_p, seed=cfg.trainer.seed * 100_003 + iteration * 7919)
                 stats_after = self.engine.kv_stats()
+            stale = {s.weight_version for s in samples} - {str(self.engine.weight_version)}
+            if stale:  # a sample generated with other weights than the learner's last push
+                raise RuntimeError(f"rollout samples report weight version(s) {sorted(stale)}, "
+                                   f"expected {self.engine.weight_version}")
             with timer.phase("reward"):
                 rewards = [exact_answer_reward(s.response_text, records[s.prompt_index].label) for s in samples]
             batch = pack_samples(samples, rewards, pad_id=self.tokenizer.pad_token_id or 0)
@@ -175,6 +185,7 @@ class Trainer:
             evicted = delta["evicted_tokens"]
             payload = [(batch, {
                 "reward/mean": float(batch.rewards.mean()),
+                "rollout/weight_version": float(self.engine.weight_version),
                 "rollout/response_len_mean": sum(response_lens) / len(response_lens),
                 "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
                 "kv/evicted_tokens": evicted,
@@ -211,8 +222,9 @@ class Trainer:
         return torch.cat(rows)
 
     def sync_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]]) -> dict[str, float]:
-        """Push the learner's shards to the engine as HF tensors; optionally check the result."""
-        from sparse_rl_mega.learner.weights import buckets, gather_hf_state_dict
+        """Push the learner's shards to the engine as HF tensors, streamed layer by layer into buckets
+        (every rank takes part: the pieces travel to rank 0); optionally check the result."""
+        from sparse_rl_mega.learner.weights import buckets, stream_hf_tensors
 
         cfg = self.cfg
         metrics: dict[str, float] = {}
@@ -222,12 +234,27 @@ class Trainer:
             metrics["sync/pre_sync_max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids),
                                                                           learner_logp)
         with timer.phase("sync"):
-            hf_state = gather_hf_state_dict(self.learner.module, cfg.model.arch)
+            stream = stream_hf_tensors(self.learner.module, cfg.model.arch)
             if self.rank == 0:
                 dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-                version = self.engine.update_weights(buckets(hf_state, int(cfg.trainer.sync_bucket_mb * 2**20), dtype))
+                sent = []  # (name, bytes) of what went out, for the metrics
+                def counted(named):
+                    for name, tensor in named:
+                        sent.append(tensor.numel() * dtype.itemsize)
+                        yield name, tensor
+                parts = buckets(counted(stream), int(cfg.trainer.sync_bucket_mb * 2**20), dtype)
+                push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
+                    else self.engine.update_weights
+                version = push(parts)
+                served = self.engine.served_weight_version()
+                if served != str(version):
+                    raise RuntimeError(f"after the weight sync the engine serves version {served}, expected {version}")
                 metrics["sync/weight_version"] = float(version)
-                metrics["sync/bytes"] = float(sum(t.numel() for t in hf_state.values()) * dtype.itemsize)
+                metrics["sync/bytes"] = float(sum(sent))
+                metrics["sync/tensors"] = float(len(sent))
+            else:
+                for _ in stream:  # send this rank's pieces
+                    pass
         if self.rank == 0 and check:
             metrics["sync/max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids), learner_logp)
             self.engine.flush_cache()  # the probe's prefix must not serve the next rollout

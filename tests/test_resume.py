@@ -1,19 +1,17 @@
 """Stop and resume: a run resumed from the checkpoint of iteration 2 computes the same iteration 3 as
 the uninterrupted 3-iteration run (the shared ``e2e_run``), on the same layout (PP=2) and on another
-one (TP=2, PP=1): same rollouts (the engine gets the checkpoint's weights), same loss and correction
-(model and Adam moments restored, resharded by dist_checkpointing)."""
-import os
-import subprocess
-import sys
+one (TP=2, PP=1, weights pushed by broadcast over a gloo group instead of in-process tensors): same
+rollouts (the engine gets the checkpoint's weights), same loss and correction (model and Adam moments
+restored, resharded by dist_checkpointing)."""
 from pathlib import Path
 
 import mlflow
 import pytest
 
 from sparse_rl_mega.tracking import default_tracking_uri
-from tests.conftest import ROOT, write_test_config
+from tests.conftest import run_launch, write_test_config
 
-COMPARED = ["reward/mean", "rollout/response_len_mean", "kv/evicted_tokens", "mismatch/k3",
+COMPARED = ["sync/max_abs_logprob_diff", "rollout/weight_version", "reward/mean", "rollout/response_len_mean", "kv/evicted_tokens", "mismatch/k3",
             "correction/token_rejected_fraction", "correction/is_weight_mean", "train/loss", "train/entropy",
             "train/grad_norm", "train/kl_ref"]
 
@@ -38,10 +36,10 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     run_dir = tmp_path / "resumed"
     config = write_test_config(tmp_path / "resume.yaml", tiny_model_dir, run_dir)
     overrides = [f"--set=checkpoint.resume={checkpoint}", "--set=checkpoint.save_interval=0"]
-    if layout == "tp2":
-        overrides += ["--set=parallel.tensor_model_parallel_size=2", "--set=parallel.pipeline_model_parallel_size=1"]
-    resumed = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), str(config), *overrides], cwd=ROOT,
-                             env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    if layout == "tp2":  # also the broadcast weight path: the engine joins a gloo group with rank 0
+        overrides += ["--set=parallel.tensor_model_parallel_size=2", "--set=parallel.pipeline_model_parallel_size=1",
+                      "--set=trainer.sync_method=broadcast"]
+    resumed = run_launch(config, *overrides, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout and "[iter 3/3]" in resumed.stdout
     assert "[iter 1/3]" not in resumed.stdout and "[iter 2/3]" not in resumed.stdout
@@ -51,6 +49,9 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     # the rollout is the same (engine weights equal bit for bit, same seeds)
     for key in ("reward/mean", "rollout/response_len_mean", "kv/evicted_tokens"):
         assert got[key] == expected[key], (key, got[key], expected[key])
+    # the engine served the pushed weights: its own version count, and the learner's logprobs after the sync
+    assert got["rollout/weight_version"] == 1 and expected["rollout/weight_version"] == 2
+    assert got["sync/max_abs_logprob_diff"] < 1e-4
     # the learner's numbers agree to float32 summation order (a different layout sums differently)
-    for key in COMPARED:
+    for key in COMPARED[2:]:
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), (key, got[key], expected[key])

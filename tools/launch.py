@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import ConfigError, RunConfig, load_config  # noqa: E402
+from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,10 +65,6 @@ def describe_layout(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""Declarative map between HF (Llama / Qwen2) tensor names and Megatron-Core's canonical names.
+"""Declarative map between HF (Llama / Qwen2 / Qwen3) tensor names and Megatron-Core's canonical names.
 
 Megatron's canonical state (what ``sharded_state_dict()`` describes) stacks every per-layer tensor
 along a leading layer axis: ``decoder.layers.mlp.linear_fc2.weight`` is ``[num_layers, h, ffn]``. Each
@@ -8,6 +8,11 @@ how the parts combine:
 * ``copy``: one HF tensor per layer (or a global tensor);
 * ``qkv``: q/k/v projections interleaved by query group, ``[groups * (q_per_group + 2) * head_dim, ...]``;
 * ``gate_up``: SwiGLU gate and up projections concatenated along dim 0.
+
+Family differences: Qwen2 adds q/k/v biases (fused like the weights), Qwen3 adds per-head q/k RMSNorm
+weights ``[head_dim]`` (Megatron's ``q_layernorm`` / ``k_layernorm``) and may have heads wider than
+``hidden / heads`` (``arch.head_dim``); untied models add ``lm_head``. :func:`fuse` and :func:`split`
+work on one layer, so a loader can convert a checkpoint layer by layer.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ class Entry:
 
 
 def entries(arch: ArchConfig) -> list[Entry]:
-    qkv_bias = arch.qkv_bias or arch.family == "qwen2"
+    """Every canonical tensor of ``arch`` with its HF source(s)."""
     out = [
         Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), per_layer=False),
         Entry("decoder.final_layernorm.weight", ("model.norm.weight",), per_layer=False),
@@ -40,20 +45,29 @@ def entries(arch: ArchConfig) -> list[Entry]:
               ("model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"), kind="gate_up"),
         Entry("decoder.layers.mlp.linear_fc2.weight", ("model.layers.{}.mlp.down_proj.weight",)),
     ]
-    if qkv_bias:
+    if arch.has_qkv_bias:
         out.append(Entry("decoder.layers.self_attention.linear_qkv.bias",
                          tuple(f"model.layers.{{}}.self_attn.{p}_proj.bias" for p in "qkv"), kind="qkv"))
+    if arch.qk_layernorm:
+        out += [Entry(f"decoder.layers.self_attention.{p}_layernorm.weight",
+                      (f"model.layers.{{}}.self_attn.{p}_norm.weight",)) for p in "qk"]
     if not arch.tie_word_embeddings:
         out.append(Entry("output_layer.weight", ("lm_head.weight",), per_layer=False))
     return out
 
 
+def hf_names(entry: Entry, layer: int | None) -> list[str]:
+    """The HF tensor names of ``entry`` (for ``layer`` when the entry is per layer)."""
+    return [name.format(layer) for name in entry.hf] if entry.per_layer else list(entry.hf)
+
+
 def _qkv_split_sizes(arch: ArchConfig) -> tuple[int, int, int]:
-    head_dim = arch.hidden_size // arch.num_attention_heads
+    head_dim = arch.kv_channels
     return arch.num_attention_heads // arch.num_query_groups * head_dim, head_dim, head_dim
 
 
-def _fuse(entry: Entry, parts: list[torch.Tensor], arch: ArchConfig) -> torch.Tensor:
+def fuse(entry: Entry, parts: list[torch.Tensor], arch: ArchConfig) -> torch.Tensor:
+    """HF tensors of one layer (in ``entry.hf`` order) -> the entry's canonical tensor for that layer."""
     if entry.kind == "copy":
         return parts[0]
     if entry.kind == "gate_up":
@@ -63,7 +77,8 @@ def _fuse(entry: Entry, parts: list[torch.Tensor], arch: ArchConfig) -> torch.Te
     return torch.cat(per_group, dim=1).reshape(-1, *parts[0].shape[1:])
 
 
-def _split(entry: Entry, fused: torch.Tensor, arch: ArchConfig) -> list[torch.Tensor]:
+def split(entry: Entry, fused: torch.Tensor, arch: ArchConfig) -> list[torch.Tensor]:
+    """Inverse of :func:`fuse` (views of ``fused``)."""
     if entry.kind == "copy":
         return [fused]
     if entry.kind == "gate_up":
@@ -77,17 +92,14 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torc
     """HF state dict -> Megatron canonical tensors (per-layer tensors stacked on dim 0)."""
     out = {}
     for entry in entries(arch):
-        if not entry.per_layer:
-            out[entry.mcore] = _fuse(entry, [hf[name] for name in entry.hf], arch)
-            continue
         layers = []
-        for layer in range(arch.num_layers):
-            names = [name.format(layer) for name in entry.hf]
+        for layer in range(arch.num_layers) if entry.per_layer else [None]:
+            names = hf_names(entry, layer)
             missing = [n for n in names if n not in hf]
             if missing:
                 raise KeyError(f"HF checkpoint lacks {missing[0]} (needed for {entry.mcore})")
-            layers.append(_fuse(entry, [hf[n] for n in names], arch))
-        out[entry.mcore] = torch.stack(layers)
+            layers.append(fuse(entry, [hf[n] for n in names], arch))
+        out[entry.mcore] = torch.stack(layers) if entry.per_layer else layers[0]
     return out
 
 
@@ -97,10 +109,10 @@ def mcore_to_hf(full: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, to
     for entry in entries(arch):
         tensor = full[entry.mcore]
         if not entry.per_layer:
-            for name, part in zip(entry.hf, _split(entry, tensor, arch)):
+            for name, part in zip(entry.hf, split(entry, tensor, arch)):
                 out[name] = part.contiguous()
             continue
         for layer in range(arch.num_layers):
-            for name, part in zip(entry.hf, _split(entry, tensor[layer], arch)):
+            for name, part in zip(entry.hf, split(entry, tensor[layer], arch)):
                 out[name.format(layer)] = part.contiguous()
     return out

@@ -2,7 +2,9 @@
 
 The layer spec is chosen once here: Transformer Engine's spec (with FP8 if configured) when
 ``model.transformer_impl: transformer_engine``, the local (pure torch) spec otherwise. CPU runs use
-the local spec with the shims of :mod:`sparse_rl_mega.learner.cpu_shims`.
+the local spec with the shims of :mod:`sparse_rl_mega.learner.cpu_shims`. The HF family decides the
+attention details (``model.arch``): head width (``kv_channels``), q/k/v biases (Qwen2) and per-head
+q/k RMSNorm (Qwen3, ``qk_layernorm``).
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
     kwargs = dict(
         num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
         num_attention_heads=a.num_attention_heads, num_query_groups=a.num_query_groups,
-        kv_channels=a.hidden_size // a.num_attention_heads,
+        kv_channels=a.kv_channels, qk_layernorm=a.qk_layernorm,
         normalization="RMSNorm", layernorm_epsilon=a.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=a.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=a.has_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
@@ -46,9 +48,10 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
 def layer_spec(cfg: RunConfig):
     from megatron.core.models.gpt import gpt_layer_specs
 
+    qk_layernorm = cfg.model.arch.qk_layernorm  # Qwen3's q_norm / k_norm
     if cfg.model.transformer_impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
 @dataclass

@@ -7,13 +7,13 @@ canonical key, global shape and offset, whatever the TP/PP layout.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.config import ArchConfig
-from sparse_rl_mega.learner.hf_map import hf_to_mcore, mcore_to_hf
+from sparse_rl_mega.learner.hf_map import entries, fuse, hf_names, split
 
 
 def _local_shards(module: torch.nn.Module, main_replica_only: bool) -> list:
@@ -52,49 +52,151 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class _LazyHFCheckpoint:
+    """An HF safetensors checkpoint (one file or several) opened lazily: only the headers are read up
+    front; a tensor, or a slice of one, is read from the memory-mapped file when asked for."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        files = sorted(Path(hf_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{hf_dir}: no *.safetensors files")
+        self.where: dict[str, object] = {}
+        for path in files:
+            handle = safe_open(str(path), framework="pt")
+            for name in handle.keys():
+                self.where[name] = handle
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: Optional[tuple] = None) -> torch.Tensor:
+        if index is None:
+            return self.where[name].get_tensor(name)
+        return self.where[name].get_slice(name)[index]
+
+
 @torch.no_grad()
 def load_hf_into_model(module: torch.nn.Module, hf_dir: str | Path, arch: ArchConfig) -> None:
-    """Copy an HF checkpoint into this rank's shards (every replica, so TP/DP copies agree)."""
-    canonical = hf_to_mcore(read_hf_state_dict(hf_dir), arch)
+    """Copy an HF checkpoint into this rank's shards (every replica, so TP/DP copies agree).
+
+    Only what this rank holds is read: the layers of its pipeline stage (the stacked layer axis of a
+    shard's canonical key gives the global layer), the embedding / final norm / output layer only on
+    the stages that have them, and for tensors that are not fused, only this rank's TP slice. Fused
+    tensors (QKV, gate/up) are read and fused one layer at a time, so the memory this needs beyond the
+    model is about one layer's largest tensor. Missing HF tensors raise ``KeyError``, shapes that
+    disagree with the model raise ``ValueError``; both name the tensor."""
+    checkpoint = _LazyHFCheckpoint(hf_dir)
+    by_key = {entry.mcore: entry for entry in entries(arch)}
+    extra_layer = f"model.layers.{arch.num_layers}.input_layernorm.weight"
+    if extra_layer in checkpoint.where:
+        raise ValueError(f"{hf_dir}: HF checkpoint has more layers than model.arch.num_layers={arch.num_layers}")
+
+    work: dict[tuple[int, int, str], list] = {}  # (layer + 1 or 0, entry order, key) -> this rank's shards
+    order = {key: i for i, key in enumerate(by_key)}
     for shard in _local_shards(module, main_replica_only=False):
-        if shard.key not in canonical:
+        entry = by_key.get(shard.key)
+        if entry is None:
             raise KeyError(f"no HF tensor maps to Megatron tensor {shard.key}")
-        source = canonical[shard.key]
-        if tuple(source.shape) != tuple(shard.global_shape):
-            raise ValueError(f"{shard.key}: HF gives shape {tuple(source.shape)}, model expects {shard.global_shape}")
-        shard.data.copy_(source[_index(shard)])
+        if shard.prepend_axis_num != int(entry.per_layer):
+            raise RuntimeError(f"{shard.key}: expected {int(entry.per_layer)} stacked layer axis, "
+                               f"got {shard.prepend_axis_num}")
+        layer = shard.global_offset[0] if entry.per_layer else -1
+        work.setdefault((layer + 1, order[shard.key], shard.key), []).append(shard)
+
+    for (slot, _, key), shards in sorted(work.items()):
+        entry = by_key[key]
+        layer = slot - 1 if entry.per_layer else None
+        names = hf_names(entry, layer)
+        for name in names:
+            if name not in checkpoint.where:
+                raise KeyError(f"{hf_dir}: HF checkpoint lacks {name} (needed for {key})")
+        prepend = shards[0].prepend_axis_num
+        canonical_shape = tuple(shards[0].global_shape[prepend:])
+        expected = [tuple(part.shape) for part in split(entry, torch.empty(canonical_shape, device="meta"), arch)]
+        for name, want in zip(names, expected):
+            if checkpoint.shape(name) != want:
+                raise ValueError(f"{name}: HF gives shape {checkpoint.shape(name)}, model expects {want} "
+                                 f"(for {key} {shards[0].global_shape})")
+        if entry.kind == "copy":  # read just the slice each shard holds
+            for shard in shards:
+                shard.data.copy_(checkpoint.read(names[0], _index(shard)[prepend:]))
+            continue
+        fused = fuse(entry, [checkpoint.read(name) for name in names], arch)
+        for shard in shards:
+            shard.data.copy_(fused[_index(shard)[prepend:]])
+        del fused
 
 
 @torch.no_grad()
+def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors, one layer's piece at a time, on global rank ``dst``.
+
+    Every rank must iterate this to the end (elsewhere it yields nothing, but sends its pieces).
+    Pieces are the main-replica shards of every TP/PP rank; for each canonical tensor and layer
+    (in one global order) ``dst`` assembles the full tensor from its own pieces and point-to-point
+    receives from the ranks that own the others (the TP ranks of the PP stage holding that layer),
+    then yields its HF tensors. Memory on ``dst`` beyond its shards: one layer's largest tensor plus
+    what the consumer keeps (a bucket)."""
+    rank = dist.get_rank()
+    shards = _local_shards(module, main_replica_only=True)
+    # metadata only: (group, key, global shape, index, dtype) of every piece, everywhere
+    mine = []
+    for number, shard in enumerate(shards):
+        index = _index(shard)
+        layer = index[0] if shard.prepend_axis_num else -1
+        mine.append(((shard.key, layer), tuple(shard.global_shape[shard.prepend_axis_num:]),
+                     index[shard.prepend_axis_num:], str(shard.data.dtype).replace("torch.", ""), number))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    by_key = {entry.mcore: entry for entry in entries(arch)}
+    order = {key: i for i, key in enumerate(by_key)}
+    groups: dict[tuple, list] = {}
+    for owner, pieces in enumerate(everyone):
+        for group, shape, index, dtype, number in pieces:
+            if group[0] not in by_key:
+                raise KeyError(f"no HF name for Megatron tensor {group[0]}")
+            groups.setdefault(group, []).append((owner, shape, index, dtype, number))
+    for (key, layer) in sorted(groups, key=lambda g: (g[1], order[g[0]])):
+        pieces = groups[(key, layer)]
+        full = None
+        filled = 0
+        for owner, shape, index, dtype, number in pieces:
+            if rank == dst:
+                if full is None:
+                    full = torch.empty(shape, dtype=getattr(torch, dtype))
+                if owner == dst:
+                    full[index] = shards[number].data.detach().to("cpu")
+                else:
+                    buffer = torch.empty(full[index].shape, dtype=full.dtype)
+                    dist.recv(buffer, src=owner)
+                    full[index] = buffer
+                filled += full[index].numel()
+            elif rank == owner:
+                dist.send(shards[number].data.detach().to("cpu").contiguous(), dst=dst)
+        if rank != dst:
+            continue
+        if filled != full.numel():
+            raise RuntimeError(f"{key} layer {layer}: gathered {filled} of {full.numel()} elements")
+        entry = by_key[key]
+        names = hf_names(entry, layer if entry.per_layer else None)
+        for name, part in zip(names, split(entry, full, arch)):
+            yield name, part.contiguous()
+
+
 def gather_hf_state_dict(module: torch.nn.Module, arch: ArchConfig, dst: int = 0) -> Optional[dict[str, torch.Tensor]]:
-    """Full HF-named weights on global rank ``dst`` (None elsewhere), from the main-replica shards of
-    every TP/PP rank. Transport is one ``gather_object`` (fine at CPU-test scale; per-tensor TP
-    all-gathers and PP sends replace it for real models)."""
-    pieces = [(s.key, tuple(s.global_shape), _index(s), s.data.detach().to("cpu", copy=True))
-              for s in _local_shards(module, main_replica_only=True)]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(pieces, gathered, dst=dst)
-    if dist.get_rank() != dst:
-        return None
-    full: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
-    for rank_pieces in gathered:
-        for key, global_shape, index, data in rank_pieces:
-            if key not in full:
-                full[key] = torch.empty(global_shape, dtype=data.dtype)
-                filled[key] = 0
-            full[key][index] = data
-            filled[key] += data.numel()
-    for key, tensor in full.items():
-        if filled[key] != tensor.numel():
-            raise RuntimeError(f"{key}: gathered {filled[key]} of {tensor.numel()} elements")
-    return mcore_to_hf(full, arch)
+    """Full HF-named weights on global rank ``dst`` (None elsewhere); see :func:`stream_hf_tensors`."""
+    named = dict(stream_hf_tensors(module, arch, dst))
+    return named if dist.get_rank() == dst else None
 
 
-def buckets(named: dict[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Split HF-named tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+            dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs, cast to ``dtype``, into lists of at most ``bucket_bytes`` (a
+    larger tensor goes alone). Consumes ``named`` lazily, so a stream is never held whole."""
     bucket, size = [], 0
-    for name, tensor in named.items():
+    for name, tensor in named:
         tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:

@@ -47,15 +47,19 @@ def build_tokenizer(texts: list[str], vocab_size: int):
 
 
 def hf_config(arch: ArchConfig, eos_id: int):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
                   num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                   num_key_value_heads=arch.num_query_groups, max_position_embeddings=arch.max_position_embeddings,
                   rms_norm_eps=arch.norm_eps, rope_theta=arch.rope_theta, tie_word_embeddings=arch.tie_word_embeddings,
                   bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    if arch.head_dim is not None:
+        common["head_dim"] = arch.head_dim
     if arch.family == "qwen2":
         return Qwen2Config(**common)
+    if arch.family == "qwen3":
+        return Qwen3Config(**common)
     return LlamaConfig(attention_bias=arch.qkv_bias, **common)
 
 

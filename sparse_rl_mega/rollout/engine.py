@@ -27,11 +27,14 @@ class GeneratedSample:
     response_text: str
     finish_reason: str
     cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
+    weight_version: str = ""  # the engine's weight version when the sample finished
 
 
 # torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
 # them (RANK, WORLD_SIZE, MASTER_PORT, ...) when they build their own group and would wait for peers
 # that never come.
+WEIGHT_GROUP = "sparse_rl_mega_weights"
+
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -80,7 +83,7 @@ class RolloutEngine:
         import sglang as sgl
 
         on_cpu = not torch.cuda.is_available()
-        kwargs = dict(model_path=model_path, dtype=dtype, random_seed=seed, tp_size=tp_size,
+        kwargs = dict(model_path=model_path, dtype=dtype, random_seed=seed, tp_size=tp_size, weight_version="0",
                       mem_fraction_static=mem_fraction_static, log_level=log_level, skip_server_warmup=True,
                       # the KV patch edits request rows between steps: one page per token, no overlap
                       page_size=1, disable_overlap_schedule=True)
@@ -97,7 +100,9 @@ class RolloutEngine:
         self.model_path = model_path
         with _without_launcher_env():
             self.engine = sgl.Engine(**kwargs)
-        self.weight_version = 0
+        self.tp_size = tp_size
+        self.weight_version = 0  # 0: the weights loaded from model_path
+        self._weight_group = None
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
@@ -139,7 +144,7 @@ class RolloutEngine:
                 prompt_index=k // n_samples, prompt_ids=input_ids[k],
                 response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=[float(t[0]) for t in token_logprobs],
                 response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-                cached_tokens=int(meta.get("cached_tokens", 0))))
+                cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
         return samples
 
     def dense_logprobs(self, token_ids: Sequence[int]) -> list[float]:
@@ -151,17 +156,78 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
-        """Load HF-named tensors bucket by bucket (colocated path); flushes the prefix cache so no
-        KV computed with old weights is reused. Returns the new weight version."""
+        """Load HF-named tensors bucket by bucket as in-process tensors (colocated path). See
+        :meth:`_finish_update` for the version and the cache."""
         self.engine.begin_weight_update()
         try:
             for bucket in buckets:
                 self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
         finally:
             self.engine.end_weight_update()
+        return self._finish_update()
+
+    def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo") -> None:
+        """Join a process group with the engine's ranks (learner side = rank 0) for broadcast updates.
+        Both sides block until everyone joined, so the engine's half runs in a helper thread."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from sglang.srt.utils import init_custom_process_group
+
+        world_size = 1 + self.tp_size
+        # under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rank of a tcp:// rendezvous a client
+        # of a store the agent hosts (only for torchrun's own group): this group's rank 0 must host it
+        with _without_launcher_env(), ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self.engine.init_weights_update_group, master_address, master_port, 1, world_size,
+                                 WEIGHT_GROUP, backend)
+            self._weight_group = init_custom_process_group(
+                backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size, rank=0,
+                group_name=WEIGHT_GROUP)
+            ok, message = joined.result()
+        if not ok:
+            raise RuntimeError(f"engine could not join the weight-update group: {message}")
+
+    def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """Broadcast HF-named tensors bucket by bucket over the group of :meth:`connect_weight_group`
+        (the engine receives each bucket's tensors in order while this rank sends them)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch.distributed as dist
+
+        if self._weight_group is None:
+            raise RuntimeError("connect_weight_group() first")
+        self.engine.begin_weight_update()
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                for bucket in buckets:
+                    names = [name for name, _ in bucket]
+                    dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
+                    shapes = [list(t.shape) for _, t in bucket]
+                    received = pool.submit(self.engine.update_weights_from_distributed, names, dtypes, shapes,
+                                           WEIGHT_GROUP, False)
+                    for _, tensor in bucket:
+                        dist.broadcast(tensor.contiguous(), src=0, group=self._weight_group)
+                    ok, message = received.result()
+                    if not ok:
+                        raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")
+        finally:
+            self.engine.end_weight_update()
+        return self._finish_update()
+
+    def _finish_update(self) -> int:
+        """After an update: flush the prefix cache (no KV computed with old weights is reused) and set
+        the engine's weight version (every later sample reports it; the trainer checks it)."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
         self.engine.flush_cache()
         self.weight_version += 1
+        manager = self.engine.tokenizer_manager
+        self.engine.loop.run_until_complete(manager.update_weight_version(
+            UpdateWeightVersionReqInput(new_version=str(self.weight_version), abort_all_requests=False)))
         return self.weight_version
+
+    def served_weight_version(self) -> str:
+        """The weight version the engine reports serving."""
+        return str(self.engine.get_model_info()["weight_version"])
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (the next rollout starts from the same state whatever ran before)."""

@@ -16,13 +16,26 @@ import torch.distributed as dist  # noqa: E402
 def start(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, micro_batch: int,
           algorithm: dict | None = None):
     """Initialise this rank and return the validated run config."""
-    from megatron.core import parallel_state as ps
+    init_parallel(tp, pp)
+    return run_config(model_dir, tp, pp, group_size, global_batch, micro_batch, algorithm)
 
-    from sparse_rl_mega.config import arch_from_hf_config, config_from_dict
+
+def init_parallel(tp: int, pp: int) -> None:
+    """gloo process group and Megatron's parallel state (once per process)."""
+    from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = config_from_dict({
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_model_parallel_rng(0)
+
+
+def run_config(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, micro_batch: int,
+               algorithm: dict | None = None):
+    """The validated run config for an HF model folder (its arch read from config.json)."""
+    from sparse_rl_mega.config import arch_from_hf_config, config_from_dict
+
+    return config_from_dict({
         "model": {"path": model_dir, "arch": arch_from_hf_config(model_dir)},
         "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": tp,
                      "pipeline_model_parallel_size": pp},
@@ -30,6 +43,3 @@ def start(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, 
         "data": {"train_path": "unused.jsonl", "prompts_per_iteration": global_batch // group_size},
         "algorithm": algorithm or {},
         "trainer": {"global_batch_size": global_batch, "micro_batch_size": micro_batch}})
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    seed_model_parallel_rng(0)
-    return cfg

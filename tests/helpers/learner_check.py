@@ -1,58 +1,185 @@
-"""Run under torchrun by tests/test_learner.py: load an HF folder into Megatron at a given TP/PP,
-gather it back, and compute dense logprobs and entropies; rank 0 compares them with transformers and
-writes JSON.
+"""Run under torchrun by tests/test_learner.py: for each HF model folder, load it into Megatron at the
+given TP/PP (the parallel state is set up once, every model reuses it), gather it back, and compute
+logits, dense logprobs and entropies through the pipeline schedule; rank 0 compares them with
+transformers and writes one JSON object with a result per model (keyed by the folder's name).
 
-    torchrun --nproc-per-node 2 tests/helpers/learner_check.py MODEL_DIR TP PP OUT_JSON
+    torchrun --nproc-per-node N tests/helpers/learner_check.py TP PP OUT_JSON MODEL_DIR [MODEL_DIR ...]
+        [--stage-copies] [--error-checks]
+
+--stage-copies (PP > 1): every rank loads from its own copy of the checkpoint that holds only what its
+    pipeline stage owns (its layers; the embedding on the first stage; the final norm and output layer
+    on the last), which fails if the loader reads anything else.
+--error-checks (one process): loading a checkpoint that lacks a tensor or has one of the wrong shape
+    raises an error naming that tensor; the messages are reported.
 """
+import argparse
 import json
-import sys
+import re
 from pathlib import Path
 
-from common import start  # (first: CPU shims before Megatron)
+from common import init_parallel, run_config  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+IDS = torch.tensor([[3, 9, 27, 31, 50, 7, 11, 13, 2, 5], [8, 6, 4, 2, 1, 3, 5, 7, 9, 10]])
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
-def main() -> None:
-    model_dir, tp, pp, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    cfg = start(model_dir, tp, pp, group_size=2, global_batch=2, micro_batch=1)
+
+def _stage_copy(model_dir: Path, out_dir: Path, tied: bool) -> Path:
+    """The tensors of ``model_dir`` that this rank's pipeline stage owns, in ``out_dir``."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    from sparse_rl_mega.learner.weights import read_hf_state_dict
+
+    state = read_hf_state_dict(model_dir)
+    layers = 1 + max(int(LAYER.match(k).group(1)) for k in state if LAYER.match(k))
+    per_stage = layers // ps.get_pipeline_model_parallel_world_size()
+    first = ps.get_pipeline_model_parallel_rank() * per_stage
+    wanted = set()
+    if ps.is_pipeline_first_stage() or (tied and ps.is_pipeline_last_stage()):
+        wanted.add("model.embed_tokens.weight")
+    if ps.is_pipeline_last_stage():
+        wanted |= {"model.norm.weight", "lm_head.weight"}
+    kept = {k: v for k, v in state.items()
+            if k in wanted or (LAYER.match(k) and first <= int(LAYER.match(k).group(1)) < first + per_stage)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(kept, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def _error_messages(module, model_dir: Path, arch, work: Path) -> dict:
+    """Load two broken copies of ``model_dir``; return the error each raised."""
+    from safetensors.torch import save_file
+
+    from sparse_rl_mega.learner.weights import load_hf_into_model, read_hf_state_dict
+
+    state = read_hf_state_dict(model_dir)
+    missing = dict(state)
+    del missing["model.layers.1.self_attn.k_proj.weight"]
+    bad_shape = dict(state)
+    bad_shape["model.layers.0.mlp.up_proj.weight"] = bad_shape["model.layers.0.mlp.up_proj.weight"][:-1]
+    out = {}
+    for name, broken in (("missing", missing), ("shape", bad_shape)):
+        folder = work / f"broken-{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(broken, str(folder / "model.safetensors"))
+        try:
+            load_hf_into_model(module, folder, arch)
+            out[name] = None
+        except (KeyError, ValueError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
+@torch.no_grad()
+def _logits_and_entropy(model, batch):
+    """Full-vocabulary logits [b, s, V] (TP-gathered) and entropies [b, s] (vocab-parallel) through
+    Megatron's pipeline schedule, on the last stage's ranks (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from sparse_rl_mega.learner.vocab_parallel import logprobs_and_entropy
+
+    b, s = batch.input_ids.shape
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        output = chunk(mb["input_ids"], torch.arange(s).unsqueeze(0).expand(b, -1), None)
+
+        def collect(logits):
+            _, entropy = logprobs_and_entropy(logits, mb["labels"])
+            return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {
+                "logits": gather_from_tensor_model_parallel_region(logits), "entropy": entropy}
+        return output, collect
+
+    model.eval()
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([{"input_ids": batch.input_ids, "labels": batch.labels}]),
+        model=[model], num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
+    if not ps.is_pipeline_last_stage():
+        return None, None
+    return results[0]["logits"], results[0]["entropy"]
+
+
+def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: bool, error_checks: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
     from sparse_rl_mega.batch import RolloutBatch
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import forward_logprobs
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model, read_hf_state_dict
 
+    cfg = run_config(str(model_dir), tp, pp, group_size=2, global_batch=2, micro_batch=1)
+    arch = cfg.model.arch
     learner = build_learner(cfg)
-    load_hf_into_model(learner.module, model_dir, cfg.model.arch)
-    gathered = gather_hf_state_dict(learner.module, cfg.model.arch)
+    errors = _error_messages(learner.module, model_dir, arch, work / model_dir.name) if error_checks else None
+    source = model_dir
+    if stage_copies and pp > 1:
+        source = _stage_copy(model_dir, work / f"rank{dist.get_rank()}" / model_dir.name, arch.tie_word_embeddings)
+    load_hf_into_model(learner.module, source, arch)
+    gathered = gather_hf_state_dict(learner.module, arch)
 
-    ids = torch.tensor([[3, 9, 27, 81, 50, 7, 11, 13, 2, 5], [8, 6, 4, 2, 1, 3, 5, 7, 9, 10]])
+    ids = IDS % arch.vocab_size
     batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(2, 9),
                          logp_sparse=torch.zeros(2, 9), rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long))
     logp = forward_logprobs(learner.model, batch, micro_batch_size=1)
-    entropy = None
-    if pp == 1:  # one stage: the model's output is the logits (vocab-parallel under TP)
-        from sparse_rl_mega.learner.vocab_parallel import logprobs_and_entropy
-
-        with torch.no_grad():
-            logits = learner.module(batch.input_ids, torch.arange(9).unsqueeze(0).expand(2, -1), None)
-            logp_direct, entropy = logprobs_and_entropy(logits, batch.labels)
+    logits, entropy = _logits_and_entropy(learner.model, batch)
+    if pp > 1:  # the last stage's results to the first (rank 0 is on the first stage)
+        if logits is None:
+            logits, entropy = torch.empty(*ids[:, 1:].shape, arch.vocab_size), torch.empty(ids[:, 1:].shape)
+        for tensor in (logits, entropy):
+            dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+    result = None
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
         original = read_hf_state_dict(model_dir)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # transformers' eager attention: its default (torch SDPA) CPU kernel rounds differently in float32
+        # (SmolLM2: up to 6e-4 on logprobs, several times further from a float64 computation than eager
+        # attention and Megatron, which agree there to the last bit)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
-            ref_all = torch.log_softmax(hf(ids[:, :-1]).logits.float(), -1)
-            ref = ref_all.gather(-1, ids[:, 1:, None])[..., 0]
-            ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
-        Path(out_path).write_text(json.dumps({
+            ref_logits = hf(ids[:, :-1]).logits
+        ref_all = torch.log_softmax(ref_logits, -1)
+        ref = ref_all.gather(-1, ids[:, 1:, None])[..., 0]
+        ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
+        result = {
+            "family": arch.family, "tied": arch.tie_word_embeddings, "head_dim": arch.kv_channels,
+            "qkv_bias": arch.has_qkv_bias, "qk_layernorm": arch.qk_layernorm,
             "same_names": sorted(gathered) == sorted(original),
             "bit_exact": all(torch.equal(gathered[k], original[k]) for k in original if k in gathered),
+            "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
             "max_abs_logprob_diff": float((logp - ref).abs().max()),
-            "max_abs_entropy_diff": None if entropy is None else float((entropy - ref_entropy).abs().max()),
-            "entropy_mean": None if entropy is None else float(entropy.mean()),
-        }))
+            "max_abs_entropy_diff": float((entropy - ref_entropy).abs().max()),
+            "entropy_mean": float(entropy.mean()),
+            "errors": errors,
+        }
+    del learner
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("tp", type=int)
+    parser.add_argument("pp", type=int)
+    parser.add_argument("out")
+    parser.add_argument("model_dirs", nargs="+", type=Path)
+    parser.add_argument("--stage-copies", action="store_true")
+    parser.add_argument("--error-checks", action="store_true")
+    args = parser.parse_args()
+    init_parallel(args.tp, args.pp)
+    work = Path(args.out).parent / "learner_check"
+    results = {}
+    for model_dir in args.model_dirs:
+        results[model_dir.name] = check_model(model_dir, args.tp, args.pp, work, args.stage_copies,
+                                              args.error_checks)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 

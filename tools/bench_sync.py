@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Weight sync, learner -> engine: time per sync vs bytes moved, beside a plain copy of the same bytes.
+
+Builds the run's learner (its TP/PP layout) and engine exactly as training does, then times
+``Trainer.sync_weights`` (stream the HF-named tensors from every TP/PP rank to rank 0 layer by layer,
+bucket them, push them, flush the cache, set and check the weight version) for each sync method and
+bucket size, and beside it on rank 0:
+
+* ``gather``: streaming the tensors to rank 0 without pushing them (the learner-side share);
+* ``copy``: one ``Tensor.copy_`` of the same number of bytes (what moving the bytes costs on this
+  machine at memory speed).
+
+Prints ``name=value`` lines, ratios (sync / copy) last, and writes ``--json``.
+
+    python tools/bench_sync.py examples/cpu_smollm2.yaml --buckets 16,64,256 --json runs/bench_sync.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default=str(ROOT / "examples" / "cpu_tiny.yaml"),
+                   help="run config whose model, layout and engine are used (default: examples/cpu_tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable), as in tools/launch.py")
+    p.add_argument("--buckets", default="4,16,64,256", help="bucket sizes in MB, comma-separated")
+    p.add_argument("--methods", default="tensor,broadcast", help="sync methods: tensor, broadcast")
+    p.add_argument("--repeats", type=int, default=3, help="timed syncs per setting; the fastest counts (CPU noise)")
+    p.add_argument("--json", default=None, help="write all figures here")
+    return p.parse_args(argv)
+
+
+def _fastest(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def bench(args: argparse.Namespace) -> None:
+    """One torchrun rank."""
+    import torch
+    import torch.distributed as dist
+
+    from sparse_rl_mega.config import load_config
+    from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
+    from sparse_rl_mega.learner.weights import stream_hf_tensors
+    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.trainer import PhaseTimer, Trainer
+
+    cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
+    on_cpu = apply_if_cpu()
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+    trainer = Trainer(cfg)
+    rank = dist.get_rank()
+    try:
+        trainer.setup()
+        module, arch = trainer.learner.module, cfg.model.arch
+
+        def gather_only():
+            total = 0
+            for _, tensor in stream_hf_tensors(module, arch):
+                total += tensor.numel()
+            return total
+
+        elements = [0]
+        gather_s = _fastest(lambda: elements.__setitem__(0, gather_only()), args.repeats)
+        figures: dict = {"config": {**vars(args), "world_size": dist.get_world_size(),
+                                    "tp": cfg.parallel.tensor_model_parallel_size,
+                                    "pp": cfg.parallel.pipeline_model_parallel_size}, "sync": {}}
+        if rank == 0:
+            dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+            nbytes = elements[0] * dtype.itemsize
+            src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+            dst = torch.empty_like(src)
+            copy_s = _fastest(lambda: dst.copy_(src), args.repeats)
+            figures.update(bytes=nbytes, gather_s=gather_s, copy_s=copy_s)
+            print(f"[bench_sync] {nbytes / 2**20:.1f} MiB of weights; gather to rank 0 {gather_s:.3f} s, "
+                  f"plain copy {copy_s:.4f} s", flush=True)
+        for method in [m for m in args.methods.split(",") if m]:
+            if method == "broadcast" and rank == 0 and trainer.engine._weight_group is None:
+                trainer.engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo" if on_cpu else "nccl")
+            cfg.trainer.sync_method = method
+            for mb in [float(b) for b in args.buckets.split(",") if b]:
+                cfg.trainer.sync_bucket_mb = mb
+                seconds = _fastest(lambda: trainer.sync_weights(PhaseTimer(), None), args.repeats)
+                if rank == 0:
+                    figures["sync"][f"{method}.{mb:g}MB"] = seconds
+                    print(f"[bench_sync] {method} buckets of {mb:g} MB: {seconds:.3f} s per sync", flush=True)
+        if rank == 0:
+            lines = [f"bytes={figures['bytes']}", f"gather_s={gather_s:.4f}", f"copy_s={figures['copy_s']:.5f}"]
+            lines += [f"sync_s.{k}={v:.4f}" for k, v in figures["sync"].items()]
+            ratios = {f"sync_over_copy.{k}": v / figures["copy_s"] for k, v in figures["sync"].items()}
+            ratios["gather_over_copy"] = gather_s / figures["copy_s"]
+            figures["ratios"] = ratios
+            print("\n".join(lines + [f"{k}={v:.1f}" for k, v in ratios.items()]), flush=True)
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(figures, indent=2))
+    finally:
+        trainer.close(True)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "LOCAL_RANK" in os.environ:
+        bench(args)
+        return 0
+    from sparse_rl_mega.config import ConfigError, load_config
+    from sparse_rl_mega.ports import free_port
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
+               *sys.argv[1:]]
+    return subprocess.call(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

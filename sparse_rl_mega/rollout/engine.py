@@ -50,6 +50,19 @@ def _without_launcher_env():
         os.environ.update(saved)
 
 
+def cpu_core_groups(parts: int) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for a CPU engine with ``parts`` TP ranks: this process's
+    cores split into ``parts`` groups (``"0-7|8-15"``); with fewer cores than ranks, ranks share cores.
+    Without it SGLang allows one rank per NUMA node only."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // parts)
+    groups = []
+    for i in range(parts):
+        group = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
+        groups.append(str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}")
+    return "|".join(groups)
+
+
 def newline_token_ids(tokenizer) -> list[int]:
     """Ids of the vocabulary entries whose text ends a line (the newline trigger's tokens)."""
     ids = []
@@ -87,6 +100,8 @@ class RolloutEngine:
                       mem_fraction_static=mem_fraction_static, log_level=log_level, skip_server_warmup=True,
                       # the KV patch edits request rows between steps: one page per token, no overlap
                       page_size=1, disable_overlap_schedule=True)
+        if on_cpu and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_core_groups(tp_size)
         if on_cpu:
             kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native",
                           sampling_backend="pytorch", disable_cuda_graph=True)

@@ -2,7 +2,7 @@
 MurmurHash3 of the same blocks (seed low, seed high, position, column; length 16)."""
 import torch
 
-import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel.*)
+import sgl_kernel  # noqa: F401 -- registers torch.ops.sgl_kernel.*
 
 MASK = 0xFFFFFFFF
 

@@ -115,3 +115,17 @@ def load_checkpoint(learner: Learner, path: str | Path) -> dict:
             torch.cuda.set_rng_state(rng["cuda"])
     dist.barrier()
     return marker
+
+
+def load_model_weights(module: torch.nn.Module, path: str | Path) -> dict:
+    """Load only the model shards of a checkpoint into ``module`` (a GPTModel chunk of this rank, any
+    TP/PP layout; every rank calls this): no optimizer needs to exist, the Adam moments are not read.
+    Returns the marker."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    marker = read_marker(path)
+    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(path))
+    module.load_state_dict(loaded["model"])
+    dist.barrier()
+    return marker

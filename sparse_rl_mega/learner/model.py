@@ -90,6 +90,15 @@ def build_reference_model(cfg: RunConfig) -> torch.nn.Module:
     return model.eval()
 
 
+def build_model(cfg: RunConfig, initialize: bool = True) -> torch.nn.Module:
+    """This rank's GPTModel chunk alone (no DDP, no optimizer), e.g. to load a checkpoint into
+    (``tools/export_hf.py``); ``initialize=False`` skips the random initialisation of weights that are
+    overwritten anyway."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return _gpt_model(cfg, TransformerConfig(**transformer_config_kwargs(cfg), perform_initialization=initialize))
+
+
 def build_learner(cfg: RunConfig) -> Learner:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -1,0 +1,359 @@
+#!/usr/bin/env python
+"""Export a training checkpoint as a Hugging Face model folder (transformers and SGLang load it).
+
+examples:
+  python tools/export_hf.py runs/cpu_tiny/checkpoints --out runs/cpu_tiny/hf-latest
+  python tools/export_hf.py runs/cpu_tiny/checkpoints/iter_0000002 --out /tmp/hf-it2 --dtype bfloat16
+  python tools/export_hf.py CKPT --out DIR --nproc 2 --pp 2      # load with 2 processes (pipeline split)
+
+CHECKPOINT is one checkpoint (an iter_NNNNNNN folder holding sparse_rl_mega.json) or a folder of
+checkpoints (its newest complete one is taken). The output folder gets the weights, HF-named:
+model.safetensors, or model-0000K-of-0000N.safetensors plus model.safetensors.index.json when they
+exceed --max-shard-mb; and config.json, the tokenizer files and generation_config.json copied from the
+run's initial HF model folder (recorded in the checkpoint; --model names another one, e.g. when the run
+was made on another machine). A checkpoint saved with any TP/PP layout loads into any export layout
+(dist_checkpointing reshards it); the default, one process at TP1 PP1 on the CPU, needs the whole
+model in the memory of one process (--nproc with --tp/--pp splits it; --device cuda loads on GPUs).
+The folder is written next to --out and renamed into place at the end, so an interrupted export
+leaves no half-written --out.
+
+Run it with python: it starts torchrun itself (or start it under torchrun with --nproc-per-node N).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sparse_rl_mega.config import ConfigError, RunConfig, config_from_dict  # noqa: E402
+
+# copied from the HF model folder besides config.json (tokenizer files of the common tokenizer types)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
+OPTIONAL_FILES = ("generation_config.json",)
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ExportError(Exception):
+    """A problem with the arguments or the inputs, reported as one line (exit status 2)."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="export_hf.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="an iter_NNNNNNN checkpoint folder, or a folder of them (newest complete "
+                                           "one), e.g. runs/cpu_tiny/checkpoints")
+    parser.add_argument("--out", required=True, type=Path, help="the HF folder to write (must not exist or be empty)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="dtype of the written weights (default: the run's model.dtype)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="HF model folder to take config.json and the tokenizer from (default: the run's initial "
+                             "model, recorded in the checkpoint); its config.json must describe the same architecture")
+    parser.add_argument("--max-shard-mb", type=float, default=2000.0,
+                        help="largest safetensors file in MiB; larger weights are split into several files with an "
+                             "index (default 2000)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes to load the checkpoint with (default 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the export (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the export (default 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model is loaded: cpu (default: gloo, leaves the GPUs alone) or cuda "
+                             "(one GPU per process, NCCL + gloo)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Plan:
+    checkpoint: Path  # the iter_* folder
+    marker: dict
+    model_dir: Path  # config.json + tokenizer come from here
+    cfg: RunConfig  # the run's config at the export layout
+    out: Path
+    dtype: str
+
+
+def _resolve_model_dir(recorded: str) -> Path:
+    """The run's model.path as recorded (relative paths: to the current folder, else to the repo root)."""
+    path = Path(recorded)
+    if path.is_absolute() or path.is_dir():
+        return path
+    return ROOT / path if (ROOT / path).is_dir() else path
+
+
+def export_config(saved: dict, model_dir: Path, nproc: int, tp: int, pp: int, source: str) -> RunConfig:
+    """The run's recorded config with the export's layout. Settings that only matter for training but
+    are validated against the layout (batch split, engines) are set to trivially valid values."""
+    raw = copy.deepcopy(saved)
+    raw["model"]["path"] = str(model_dir)
+    raw["parallel"].update(nnodes=1, nproc_per_node=nproc, tensor_model_parallel_size=tp,
+                           pipeline_model_parallel_size=pp, sequence_parallel=False)
+    dp = max(1, nproc // (tp * pp))
+    group = raw["rollout"]["n_samples_per_prompt"]
+    raw["rollout"].update(num_engines=1, engine_tensor_parallel_size=1, placement="colocated")
+    raw["data"]["prompts_per_iteration"] = dp
+    raw["trainer"].update(global_batch_size=dp * group, micro_batch_size=1)
+    raw["checkpoint"]["resume"] = None
+    return config_from_dict(raw, source)
+
+
+def prepare(args: argparse.Namespace, nproc: int) -> Plan:
+    """Check everything that can be checked before loading; raise :class:`ExportError` with a clear message."""
+    from sparse_rl_mega.learner.checkpoint import MARKER, find_checkpoint, read_marker
+
+    spec = Path(args.checkpoint)
+    if not spec.exists():
+        raise ExportError(f"{spec}: no such checkpoint folder")
+    try:
+        checkpoint = find_checkpoint(str(spec), spec)
+    except FileNotFoundError:
+        raise ExportError(f"{spec}: no complete checkpoint there (expected {MARKER} in it, or iter_* folders "
+                          f"holding one under it; a checkpoint still being written has none yet)") from None
+    marker = read_marker(checkpoint)
+    if "config" not in marker or "iteration" not in marker:
+        raise ExportError(f"{checkpoint}: {MARKER} is not a training checkpoint's marker (no 'iteration' / 'config'; "
+                          f"is this an HF model folder?)")
+
+    recorded = marker.get("initial_model") or marker["config"]["model"]["path"]
+    model_dir = Path(args.model) if args.model is not None else _resolve_model_dir(recorded)
+    hint = ("pass --model HF_DIR: an HF folder of the run's model (config.json + tokenizer files, the same "
+            "architecture) to take config and tokenizer from")
+    where = ("given by --model" if args.model is not None
+             else f"the run's initial model, recorded in {checkpoint / MARKER}")
+    if not model_dir.is_dir():
+        raise ExportError(f"HF model folder {model_dir} ({where}) does not exist; {hint}")
+    if not (model_dir / "config.json").is_file():
+        raise ExportError(f"HF model folder {model_dir} ({where}) has no config.json; {hint}")
+
+    try:
+        cfg = export_config(marker["config"], model_dir, nproc, args.tp, args.pp,
+                            source=f"{checkpoint / MARKER} (export layout --nproc/--tp/--pp)")
+    except ConfigError as error:
+        raise ExportError(f"config error: {error}") from None
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise ExportError(f"--out {out} is not empty (pass --force to replace it)")
+    if args.max_shard_mb <= 0:
+        raise ExportError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
+    return Plan(checkpoint=checkpoint, marker=marker, model_dir=model_dir, cfg=cfg, out=out,
+                dtype=args.dtype or cfg.model.dtype)
+
+
+# ----------------------------------------------------------------------------- writing (rank 0)
+
+
+class ShardWriter:
+    """Writes ``(name, tensor)`` pairs into safetensors files of at most ``max_bytes`` (a larger tensor
+    goes alone). Only the current file's tensors are held; each file is written when full."""
+
+    def __init__(self, folder: Path, max_bytes: int, dtype):
+        self.folder, self.max_bytes, self.dtype = folder, max_bytes, dtype
+        self.pending: list = []
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self.seen: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor) -> None:
+        if name in self.seen:
+            raise RuntimeError(f"tensor {name} produced twice")
+        self.seen.add(name)
+        tensor = tensor.detach().to("cpu", self.dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.untyped_storage().nbytes() != nbytes:
+            tensor = tensor.clone()  # a view of a fused tensor: keep only its own bytes (and let the rest go)
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+        self.pending.append((name, tensor))
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        name = f"part-{len(self.files) + 1:05d}.safetensors"
+        save_file(dict(self.pending), str(self.folder / name), metadata={"format": "pt"})
+        self.files.append((name, [tensor_name for tensor_name, _ in self.pending]))
+        self.pending, self.pending_bytes = [], 0
+
+    def finish(self) -> list[str]:
+        """Write what is left and give the files their HF names (with an index when there are several)."""
+        self.flush()
+        if not self.files:
+            raise RuntimeError("the model produced no tensors")
+        if len(self.files) == 1:
+            os.replace(self.folder / self.files[0][0], self.folder / SINGLE_FILE)
+            return [SINGLE_FILE]
+        count = len(self.files)
+        weight_map, names = {}, []
+        for number, (temporary, tensor_names) in enumerate(self.files, start=1):
+            final = f"model-{number:05d}-of-{count:05d}.safetensors"
+            os.replace(self.folder / temporary, self.folder / final)
+            weight_map.update({tensor_name: final for tensor_name in tensor_names})
+            names.append(final)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return names + [INDEX_FILE]
+
+
+def copy_model_files(model_dir: Path, folder: Path, dtype: str) -> list[str]:
+    """config.json (its dtype set to the written one), tokenizer files and generation_config.json."""
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    keys = [key for key in ("dtype", "torch_dtype") if key in hf_config] or ["torch_dtype"]
+    if any(hf_config.get(key) != dtype for key in keys):
+        hf_config.update({key: dtype for key in keys})
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    else:
+        shutil.copy2(model_dir / "config.json", folder / "config.json")
+    copied = ["config.json"]
+    for path in sorted(model_dir.iterdir()):
+        wanted = (path.name in TOKENIZER_FILES or path.name in OPTIONAL_FILES or path.suffix == ".tiktoken"
+                  or (path.name.startswith("tokenizer") and path.suffix in (".json", ".model", ".txt")))
+        if wanted and path.is_file():
+            shutil.copy2(path, folder / path.name)
+            copied.append(path.name)
+    if not any(name in TOKENIZER_FILES or name.startswith("tokenizer") or name.endswith(".tiktoken")
+               for name in copied):
+        print(f"[export] warning: no tokenizer files in {model_dir}; the export has none", flush=True)
+    return copied
+
+
+def _put_in_place(temporary: Path, out: Path) -> None:
+    """Rename the finished folder to ``out`` (replacing an existing one only after it is complete)."""
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+            os.replace(out, old)
+        else:
+            out.rmdir()
+    os.replace(temporary, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- one torchrun rank
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng
+
+    on_cpu = apply_if_cpu()
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda" and on_cpu:
+        print("export_hf.py: --device cuda: no GPU visible to torch", file=sys.stderr)
+        return 2
+
+    try:
+        plan = prepare(args, nproc=int(os.environ["WORLD_SIZE"]))
+    except ExportError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"export_hf.py: {error}", file=sys.stderr)
+        return 2
+    cfg = plan.cfg
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # CPU tensors travel over gloo also when the model lives on GPUs (the gather sends CPU copies)
+    dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl")
+    rank = dist.get_rank()
+    log = (lambda message: print(message, flush=True)) if rank == 0 else (lambda message: None)
+    temporary = plan.out.parent / f".{plan.out.name}.partial-{os.getpid()}"
+    try:
+        from megatron.core import parallel_state as ps
+
+        from sparse_rl_mega.learner.checkpoint import load_model_weights
+        from sparse_rl_mega.learner.model import build_model
+        from sparse_rl_mega.learner.weights import stream_hf_tensors
+
+        p = cfg.parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                                     pipeline_model_parallel_size=p.pipeline_model_parallel_size)
+        seed_model_parallel_rng(cfg.trainer.seed)
+        started = time.perf_counter()
+        module = build_model(cfg, initialize=False)
+        load_model_weights(module, plan.checkpoint)
+        saved = plan.marker.get("layout", {})
+        log(f"[export] loaded {plan.checkpoint} (iteration {plan.marker['iteration']}, saved at TP"
+            f"{saved.get('tensor_model_parallel_size')} PP{saved.get('pipeline_model_parallel_size')}) at TP"
+            f"{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size} "
+            f"in {time.perf_counter() - started:.1f} s")
+
+        writer = None
+        if rank == 0:
+            temporary.mkdir(parents=True)
+            writer = ShardWriter(temporary, int(args.max_shard_mb * 2**20), getattr(torch, plan.dtype))
+        for name, tensor in stream_hf_tensors(module, cfg.model.arch, dst=0):
+            writer.add(name, tensor)  # only rank 0 receives tensors
+        if rank == 0:
+            weights = writer.finish()
+            copied = copy_model_files(plan.model_dir, temporary, plan.dtype)
+            if plan.out.is_dir() and any(plan.out.iterdir()) and not args.force:
+                raise ExportError(f"--out {plan.out} was filled while exporting (pass --force to replace it)")
+            _put_in_place(temporary, plan.out)
+            log(f"[export] wrote {len(writer.seen)} tensors ({writer.total_bytes / 2**20:.1f} MiB, {plan.dtype}) in "
+                f"{len([w for w in weights if w.endswith('.safetensors')])} safetensors file(s), and "
+                f"{', '.join(copied)} from {plan.model_dir}")
+            log(f"[export] done: {plan.out}")
+        dist.barrier()
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if args.device == "cpu":  # before CUDA is initialised
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return run_export(args)
+    if args.nproc < 1:
+        print(f"export_hf.py: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    try:  # fail here, before any process starts, on anything that can be checked up front
+        plan = prepare(args, nproc=args.nproc)
+    except ExportError as error:
+        print(f"export_hf.py: {error}", file=sys.stderr)
+        return 2
+    from sparse_rl_mega.ports import free_port
+
+    # (no --nproc for the workers: torchrun would take it for an abbreviation of its --nproc-per-node;
+    # under torchrun the world size is the process count)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
+               str(plan.checkpoint.resolve()), "--out", str(plan.out.resolve()),
+               "--model", str(plan.model_dir.resolve()),
+               "--dtype", plan.dtype, "--max-shard-mb", str(args.max_shard_mb), "--tp", str(args.tp),
+               "--pp", str(args.pp), "--device", args.device] + (["--force"] if args.force else [])
+    print(f"[export] {plan.checkpoint} -> {plan.out} ({args.nproc} process(es), TP{args.tp} PP{args.pp}, {plan.dtype})",
+          flush=True)
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}))
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

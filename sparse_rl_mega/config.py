@@ -218,9 +218,20 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
+    """Training prompts (sparse_rl_mega/data/). ``format``: ``prompt_label`` rows hold the final prompt
+    text (e.g. templated by tools/prepare_data.py) and the gold label; ``question_answer`` rows hold a
+    raw question and answer, formatted at load time: ``question + "\\n" + instruction``, rendered with
+    the chat template of ``tokenizer`` when ``apply_chat_template``; the label is the answer's text
+    after ``####`` (GSM8K), else its last ``\\boxed{}`` (MATH solutions), else the whole answer."""
     train_path: str = ""
+    format: Literal["prompt_label", "question_answer"] = "prompt_label"
     prompt_key: str = "prompt"
     label_key: str = "label"
+    question_key: str = "question"  # format question_answer
+    answer_key: str = "answer"      # format question_answer
+    instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    apply_chat_template: bool = False  # format question_answer
+    tokenizer: Optional[str] = None    # HF folder with the chat template; None: model.path (set by the trainer)
     prompts_per_iteration: int = 32
     shuffle: bool = True
     seed: int = 1234
@@ -228,7 +239,20 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    type: Literal["exact_answer"] = "exact_answer"
+    """How responses are scored (sparse_rl_mega/reward/): ``reward = correct + format_weight * has_box``,
+    ``correct`` in {0, 1}, ``has_box``: the response holds a complete ``\\boxed{}`` (or ``\\fbox{}``).
+    ``exact_answer``: the response's last number (or boxed number) equals the label's, in process.
+    ``math``: the last ``\\boxed{}`` answer, else ``fallback``, is checked against the label (GSM8K
+    ``#### x``, a MATH solution's box, or the label as written) with math-verify in ``workers`` worker
+    processes; one check past ``timeout_s`` seconds is killed and scores 0 (counted in reward/timeouts).
+    Model output is never evaluated as code."""
+    type: Literal["exact_answer", "math"] = "exact_answer"
+    # math, answer when no \boxed{}: answer_is ("the answer is X" / "Answer: X"), last_number, both in that
+    # order (default), or none (only boxed answers count)
+    fallback: Literal["answer_is_or_last_number", "answer_is", "last_number", "none"] = "answer_is_or_last_number"
+    timeout_s: float = 2.0     # math: per-check time limit
+    workers: int = 2           # math: checking processes (started once, on rank 0)
+    format_weight: float = 0.0  # bonus (> 0) or penalty (< 0) for a boxed answer; in [-1, 1]
 
 
 @dataclass
@@ -427,6 +451,27 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
 
     _require(bool(cfg.model.path), source, "model.path", "required: an HF model folder (or where to create one)")
     _require(bool(d.train_path), source, "data.train_path", "required: a jsonl file of prompts and labels")
+    if d.format == "prompt_label":
+        _require(bool(d.prompt_key) and bool(d.label_key) and d.prompt_key != d.label_key, source, "data.prompt_key",
+                 f"prompt_key and label_key must be distinct non-empty keys, got {d.prompt_key!r}, {d.label_key!r}")
+        _require(not d.apply_chat_template, source, "data.apply_chat_template",
+                 "prompt_label rows are used as written (template them with tools/prepare_data.py), or set "
+                 "data.format: question_answer")
+    else:
+        _require(bool(d.question_key) and bool(d.answer_key) and d.question_key != d.answer_key, source,
+                 "data.question_key", "question_key and answer_key must be distinct non-empty keys, got "
+                 f"{d.question_key!r}, {d.answer_key!r}")
+        _require(cfg.model.create_tiny is None, source, "data.format",
+                 "model.create_tiny builds its tokenizer and warm-up from prompt_label rows; write them with "
+                 "tools/prepare_data.py or use an existing model.path")
+    if d.tokenizer is not None:
+        _require(d.apply_chat_template, source, "data.tokenizer", "only used with data.apply_chat_template: true")
+        _require(Path(d.tokenizer).is_dir(), source, "data.tokenizer", f"{d.tokenizer} is not a folder")
+    if d.apply_chat_template:
+        folder = Path(d.tokenizer or cfg.model.path)
+        _require(not folder.is_dir() or _has_chat_template(folder), source,
+                 "data.tokenizer" if d.tokenizer else "data.apply_chat_template",
+                 f"the tokenizer in {folder} has no chat template")
     if a.head_dim is None:
         _require(a.hidden_size % a.num_attention_heads == 0, source, "model.arch.hidden_size",
                  f"{a.hidden_size} is not divisible by num_attention_heads={a.num_attention_heads} "
@@ -483,6 +528,13 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         _require(not (kv.per_head and kv.policy == "streaming"), source, "rollout.kv_compression.per_head",
                  "streaming selects by position, the same tokens for every head")
 
+    rw = cfg.reward
+    _require(0.0 < rw.timeout_s <= 600.0, source, "reward.timeout_s",
+             f"must be in (0, 600] seconds, got {rw.timeout_s}")
+    _require(1 <= rw.workers <= 64, source, "reward.workers", f"must be in [1, 64], got {rw.workers}")
+    _require(-1.0 <= rw.format_weight <= 1.0, source, "reward.format_weight",
+             f"must be in [-1, 1] so that correctness dominates, got {rw.format_weight}")
+
     _validate_correction(cfg.algorithm.correction, source)
     al = cfg.algorithm
     _require(0 <= al.eps_clip_low < 1 and al.eps_clip_high >= 0, source, "algorithm.eps_clip_low",
@@ -518,6 +570,16 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  "FP8 needs model.transformer_impl: transformer_engine")
         _require(m.dtype == "bfloat16", source, "model.fp8", "FP8 training keeps bfloat16 params: set model.dtype")
     _check_against_hf_config(cfg, source)
+
+
+def _has_chat_template(folder: Path) -> bool:
+    """Whether an HF tokenizer folder carries a chat template (without loading transformers)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _validate_correction(c: CorrectionConfig, source: str) -> None:

@@ -58,6 +58,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.engine = None
         self.tracker = None
+        self.scorer = None  # rank 0: the reward scorer (math: a pool of checking processes)
         self.ref_model = None
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
@@ -66,7 +67,7 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state as ps
 
-        from sparse_rl_mega.data.jsonl import PromptDataset
+        from sparse_rl_mega.data.jsonl import load_prompt_dataset
         from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
         from sparse_rl_mega.learner.model import build_learner
         from sparse_rl_mega.learner.weights import load_hf_into_model
@@ -80,7 +81,7 @@ class Trainer:
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
-        self.dataset = PromptDataset(cfg.data.train_path, cfg.data.prompt_key, cfg.data.label_key)
+        self.dataset = load_prompt_dataset(cfg.data, default_tokenizer=cfg.model.path)
 
         if self.rank == 0:
             ensure_model(cfg)
@@ -99,9 +100,11 @@ class Trainer:
         if self.rank == 0:
             from transformers import AutoTokenizer
 
+            from sparse_rl_mega.reward import build_scorer
             from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
             from sparse_rl_mega.tracking import Tracker
 
+            self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             r = cfg.rollout
             started = time.perf_counter()
@@ -158,7 +161,6 @@ class Trainer:
     def rollout(self, iteration: int, timer: PhaseTimer):
         """Rank 0: generate and score; everyone: receive the packed batch."""
         from sparse_rl_mega.batch import pack_samples
-        from sparse_rl_mega.reward.exact import exact_answer_reward
 
         cfg = self.cfg
         payload = [None]
@@ -176,7 +178,8 @@ class Trainer:
                 raise RuntimeError(f"rollout samples report weight version(s) {sorted(stale)}, "
                                    f"expected {self.engine.weight_version}")
             with timer.phase("reward"):
-                rewards = [exact_answer_reward(s.response_text, records[s.prompt_index].label) for s in samples]
+                rewards = self.scorer.score([s.response_text for s in samples],
+                                            [records[s.prompt_index].label for s in samples])
             batch = pack_samples(samples, rewards, pad_id=self.tokenizer.pad_token_id or 0)
             response_lens = [len(s.response_ids) for s in samples]
             per_sample = self.per_sample_compression(samples)
@@ -185,6 +188,7 @@ class Trainer:
             evicted = delta["evicted_tokens"]
             payload = [(batch, {
                 "reward/mean": float(batch.rewards.mean()),
+                **self.scorer.last_stats.metrics("reward/"),
                 "rollout/weight_version": float(self.engine.weight_version),
                 "rollout/response_len_mean": sum(response_lens) / len(response_lens),
                 "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
@@ -349,6 +353,9 @@ class Trainer:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
 
 
 def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:

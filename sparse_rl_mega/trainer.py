@@ -241,7 +241,8 @@ class Trainer:
             stream = stream_hf_tensors(self.learner.module, cfg.model.arch)
             if self.rank == 0:
                 dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-                sent = []  # (name, bytes) of what went out, for the metrics
+                sent: list[int] = []  # bytes of each tensor pushed, for the metrics
+
                 def counted(named):
                     for name, tensor in named:
                         sent.append(tensor.numel() * dtype.itemsize)

@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     p.add_argument("--reward", default="math", help="reward type used as the correctness check (math | exact_answer)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="engine KV pool size (default: SGLang's)")
+    p.add_argument("--max-total-tokens", type=int, default=16384,
+                   help="engine KV pool size in tokens (SGLang's own CPU default takes most of the RAM)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for results.json and accuracy.png (default runs/eval/<time>)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out); 'none' to skip")

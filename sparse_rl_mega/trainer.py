@@ -161,12 +161,13 @@ class Trainer:
     def rollout(self, iteration: int, timer: PhaseTimer):
         """Rank 0: generate and score; everyone: receive the packed batch."""
         from sparse_rl_mega.batch import pack_samples
+        from sparse_rl_mega.data.formatting import encode_prompt
 
         cfg = self.cfg
         payload = [None]
         if self.rank == 0:
             records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
-            prompts_ids = [self.tokenizer(r.prompt)["input_ids"] for r in records]
+            prompts_ids = [encode_prompt(self.tokenizer, r.prompt) for r in records]
             with timer.phase("rollout"):
                 stats_before = self.engine.kv_stats()
                 samples = self.engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt,

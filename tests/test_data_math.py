@@ -286,3 +286,18 @@ def test_data_config_validation_names_the_key(tmp_path):
     (no_template / "chat_template.jinja").write_text("{{ messages }}")
     config_from_dict({**base, "data": {**base["data"], "format": "question_answer", "apply_chat_template": True,
                                        "tokenizer": str(no_template)}})
+
+
+def test_templated_prompt_gets_no_second_bos():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from sparse_rl_mega.data.formatting import encode_prompt
+
+    vocab = {"<s>": 0, "<unk>": 1, "hi": 2, "there": 3}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", unk_token="<unk>")
+    assert encode_prompt(tokenizer, "hi there") == [0, 2, 3]  # plain text: the tokenizer adds BOS
+    assert encode_prompt(tokenizer, "<s> hi there") == [0, 2, 3]  # already templated with BOS: not twice

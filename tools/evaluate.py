@@ -117,6 +117,7 @@ def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print)
 
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.config import RewardConfig
+    from sparse_rl_mega.data.formatting import encode_prompt
     from sparse_rl_mega.reward import build_scorer
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
@@ -130,7 +131,7 @@ def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print)
     try:
         with build_scorer(RewardConfig(type=args.reward)) as scorer:
             for bench, records in benchmarks.items():
-                prompts = [tokenizer(r.prompt)["input_ids"] for r in records]
+                prompts = [encode_prompt(tokenizer, r.prompt) for r in records]
                 for label, override in variants:
                     started = time.perf_counter()
                     samples = engine.generate(prompts, args.samples, args.max_new_tokens, args.temperature,

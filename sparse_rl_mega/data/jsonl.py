@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -90,6 +90,25 @@ class QuestionAnswerFormat:
 RowFormat = Callable[[dict], tuple[str, str]]
 
 
+def json_objects(path: str | Path) -> Iterator[tuple[str, int, Optional[dict], Optional[str]]]:
+    """``(where, line_no, row, problem)`` for every non-blank line of a jsonl file: ``row`` is the
+    line's JSON object, or None with ``problem`` saying why (``where`` is ``file:line``)."""
+    with Path(path).open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, line_no, None, f"not valid JSON ({exc.msg})"
+                continue
+            if not isinstance(row, dict):
+                yield where, line_no, None, f"expected a JSON object, got {type(row).__name__}"
+                continue
+            yield where, line_no, row, None
+
+
 class PromptDataset:
     def __init__(self, path: str | Path, prompt_key: str = "prompt", label_key: str = "label",
                  max_errors_shown: int = 10, row_format: Optional[RowFormat] = None):
@@ -101,25 +120,16 @@ class PromptDataset:
             raise DataError(f"{self.path}: data file not found")
         self.records: list[PromptRecord] = []
         errors: list[str] = []
-        with self.path.open() as handle:
-            for line_no, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{line_no}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    errors.append(f"{where}: not valid JSON ({exc.msg})")
-                    continue
-                if not isinstance(row, dict):
-                    errors.append(f"{where}: expected a JSON object, got {type(row).__name__}")
-                    continue
+        for where, _, row, problem in json_objects(self.path):
+            if problem is None:
                 try:
                     prompt, label = row_format(row)
                 except RowError as exc:
-                    errors.append(f"{where}: {exc}")
-                    continue
-                self.records.append(PromptRecord(prompt, label, where))
+                    problem = str(exc)
+            if problem is not None:
+                errors.append(f"{where}: {problem}")
+                continue
+            self.records.append(PromptRecord(prompt, label, where))
         if errors:
             shown = "\n  ".join(errors[:max_errors_shown])
             more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""

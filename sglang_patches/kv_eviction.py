@@ -111,13 +111,6 @@ class RowState:
         if self.keep_mass and self.mass is None:
             self.mass = torch.zeros(rows, layers, kv_heads, max_len, dtype=torch.float32, device=device)
 
-    def window_queries(self, row: int, count: int) -> torch.Tensor:
-        """The last ``count`` (<= ring size) queries of ``row``, oldest first, every layer:
-        ``[layers, q_heads, count, d]``."""
-        start = self.steps[row] - count
-        order = [(start + j) % self.window for j in range(count)]
-        return self.queries[row][:, order].transpose(1, 2)
-
     def ring_queries(self, rows: list[int]) -> torch.Tensor:
         """Each row's whole ring, oldest first: ``[len(rows), layers, q_heads, window, d]``."""
         order = torch.tensor([[(self.steps[row] + j) % self.window for j in range(self.window)] for row in rows])
@@ -295,7 +288,8 @@ class Compressor:
         member_rows = [m[2] for m in members]
         window_queries = None
         if policy.queries_needed:
-            window_queries = torch.cat([self.rows.window_queries(row, policy.window) for row in member_rows])
+            # the last ``policy.window`` queries of each ring: [n * layers, q_heads, window, d]
+            window_queries = self.rows.ring_queries(member_rows)[..., -policy.window:, :].flatten(0, 1)
         mass = None
         if policy.needs_accumulated:
             mass = self.rows.mass[member_rows][..., :cached].flatten(0, 1)  # [n * layers, h, cached]

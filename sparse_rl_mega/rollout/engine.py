@@ -99,7 +99,9 @@ class RolloutEngine:
         kwargs = dict(model_path=model_path, dtype=dtype, random_seed=seed, tp_size=tp_size, weight_version="0",
                       mem_fraction_static=mem_fraction_static, log_level=log_level, skip_server_warmup=True,
                       # the KV patch edits request rows between steps: one page per token, no overlap
-                      page_size=1, disable_overlap_schedule=True)
+                      page_size=1, disable_overlap_schedule=True,
+                      # an idle scheduler otherwise polls at 100 % of a core, which the learner needs
+                      sleep_on_idle=True)
         if on_cpu and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_core_groups(tp_size)
         if on_cpu:

@@ -1,6 +1,8 @@
 # Two entry points; both build the pinned CPU venv (.venv) on first use.
-#   make demo   the CPU example end to end (tiny model, SGLang engine with KV eviction, Megatron PP=2, MLflow)
+#   make demo   the CPU math demo end to end: SmolLM2-135M-Instruct learns single-digit sums with sparse
+#               (R-KV) rollouts, Megatron PP=2, held-out accuracy before/after, dense and sparse; MLflow
 #   make test   the test suite
+#   make demo-tiny   the same loop on a tiny locally built model (about a minute)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
@@ -9,20 +11,29 @@ export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 
-.PHONY: env demo test mlflow-ui clean
+SMOLLM2 := runs/assets/smollm2-135m-instruct
+RUN ?= runs/cpu_smollm2
+
+.PHONY: env demo demo-tiny test mlflow-ui clean
 
 env:
 	@bash tools/setup_env.sh $(VENV)
 
 demo: env
 	@echo "(SGLang and Megatron print warnings about CUDA-only features; they are expected on CPU)"
+	$(PY) tools/prepare_model.py --out $(SMOLLM2)
+	$(PY) tools/prepare_data.py --benchmarks sums_train,sums_test --tokenizer $(SMOLLM2) \
+		--instruction 'Put your final answer within \boxed{}.'
+	$(PY) tools/launch.py examples/cpu_smollm2.yaml
+
+demo-tiny: env
 	$(PY) tools/launch.py examples/cpu_tiny.yaml
 
 test: env
 	$(PY) -m pytest
 
 mlflow-ui: env
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///runs/cpu_tiny/mlflow.db --host 127.0.0.1 --port 5000
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(RUN)/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf runs

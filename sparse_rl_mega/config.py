@@ -256,6 +256,24 @@ class RewardConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out accuracy, measured on the rollout engine with the weights it serves: before training
+    (unless resuming), every ``interval`` iterations, and after the last one. Each setting in ``kv``
+    decodes the same prompts with the same seed: ``dense`` (no compression), ``rollout`` (the
+    rollout's ``kv_compression``) or ``POLICY:BUDGET``. Correctness is judged by ``reward.type``.
+    Metrics ``eval/<setting>/mean_at_k`` etc. go to MLflow at step = iterations trained; the run
+    ends with a before/after table, also in ``<run_dir>/eval.json``."""
+    path: Optional[str] = None        # prompt_label jsonl (tools/prepare_data.py); None: no evaluation
+    limit: Optional[int] = None       # first N rows
+    interval: int = 0                 # 0: only before and after training
+    kv: str = "dense,rollout"         # comma-separated settings
+    n_samples: int = 4                # samples per problem (k of mean@k / pass@k)
+    temperature: float = 1.0          # 0: greedy (then n_samples must be 1)
+    max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
+    seed: int = 0
+
+
+@dataclass
 class TrainerConfig:
     iterations: int = 3
     global_batch_size: int = 256
@@ -306,6 +324,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -535,6 +554,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(-1.0 <= rw.format_weight <= 1.0, source, "reward.format_weight",
              f"must be in [-1, 1] so that correctness dominates, got {rw.format_weight}")
 
+    _validate_eval(cfg, source)
     _validate_correction(cfg.algorithm.correction, source)
     al = cfg.algorithm
     _require(0 <= al.eps_clip_low < 1 and al.eps_clip_high >= 0, source, "algorithm.eps_clip_low",
@@ -570,6 +590,33 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  "FP8 needs model.transformer_impl: transformer_engine")
         _require(m.dtype == "bfloat16", source, "model.fp8", "FP8 training keeps bfloat16 params: set model.dtype")
     _check_against_hf_config(cfg, source)
+
+
+def _validate_eval(cfg: RunConfig, source: str) -> None:
+    e = cfg.eval
+    if e.path is None:
+        return
+    _require(Path(e.path).is_file(), source, "eval.path",
+             f"{e.path} is not a file (write held-out sets with tools/prepare_data.py)")
+    _require(e.limit is None or e.limit > 0, source, "eval.limit", f"must be > 0 or null, got {e.limit}")
+    _require(e.interval >= 0, source, "eval.interval", f"must be >= 0 (0: before and after only), got {e.interval}")
+    _require(e.n_samples > 0, source, "eval.n_samples", f"must be > 0, got {e.n_samples}")
+    _require(e.temperature >= 0, source, "eval.temperature", f"must be >= 0, got {e.temperature}")
+    _require(e.temperature > 0 or e.n_samples == 1, source, "eval.n_samples",
+             "greedy decoding (eval.temperature: 0) gives one answer per problem: set n_samples: 1")
+    _require(e.max_new_tokens is None or e.max_new_tokens > 0, source, "eval.max_new_tokens",
+             f"must be > 0 or null, got {e.max_new_tokens}")
+    from sparse_rl_mega.evaluation import parse_kv_variants
+
+    try:
+        variants = parse_kv_variants(e.kv, cfg.rollout.kv_compression)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: eval.kv: {exc}") from None
+    kv = cfg.rollout.kv_compression
+    for label, override in variants:
+        if override and override["policy"] != "none":
+            _require(override["budget"] > kv.sink + kv.window, source, "eval.kv",
+                     f"{label}: the budget must exceed rollout.kv_compression sink + window = {kv.sink + kv.window}")
 
 
 def _has_chat_template(folder: Path) -> bool:

@@ -8,6 +8,7 @@ One iteration:
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -110,7 +111,12 @@ class Trainer:
             started = time.perf_counter()
             log(f"[setup] starting SGLang engine (KV policy {r.kv_compression.policy}, "
                 f"budget {r.kv_compression.budget}) ...")
-            self.engine = RolloutEngine(cfg.model.path, engine_kv_settings(r.kv_compression, self.tokenizer),
+            kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
+            if cfg.eval.path is not None:
+                self.setup_eval()
+                # dense (or another policy) for evaluation requests: the engine accepts per-request settings
+                kv_settings.allow_request_override = any(o is not None for _, o in self.eval_variants)
+            self.engine = RolloutEngine(cfg.model.path, kv_settings,
                                         dtype=cfg.model.dtype,
                                         seed=cfg.trainer.seed, max_total_tokens=r.max_total_tokens,
                                         max_running_requests=r.max_running_requests,
@@ -132,6 +138,60 @@ class Trainer:
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
             self.sync_weights(PhaseTimer(), None)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
+
+    def setup_eval(self) -> None:
+        """Rank 0: the held-out prompts and KV settings of ``eval``."""
+        from sparse_rl_mega.data.formatting import encode_prompt
+        from sparse_rl_mega.data.jsonl import PromptDataset
+        from sparse_rl_mega.evaluation import parse_kv_variants
+
+        e = self.cfg.eval
+        records = PromptDataset(e.path).records
+        records = records[:e.limit] if e.limit else records
+        if not records:
+            raise ValueError(f"eval.path {e.path}: no rows to evaluate")
+        self.eval_prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
+        self.eval_labels = [r.label for r in records]
+        self.eval_variants = parse_kv_variants(e.kv, self.cfg.rollout.kv_compression)
+        self.eval_history: list[dict] = []
+        log(f"[setup] held-out evaluation: {len(records)} problems of {e.path} x {e.n_samples} samples, "
+            f"KV settings {', '.join(label for label, _ in self.eval_variants)}")
+
+    def evaluate(self, trained_iterations: int) -> dict[str, float]:
+        """Rank 0: held-out accuracy of the weights the engine serves; returns ``eval/...`` metrics and
+        appends to ``<run_dir>/eval.json``."""
+        from sparse_rl_mega.evaluation import evaluate_on_engine
+
+        e = self.cfg.eval
+        results = evaluate_on_engine(
+            self.engine, self.eval_prompts, self.eval_labels, self.scorer, self.eval_variants,
+            n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+            temperature=e.temperature, seed=e.seed, log=log, name=f"eval after {trained_iterations} iteration(s)")
+        self.engine.flush_cache()  # the next rollout must not depend on what evaluation left cached
+        self.eval_history.append({"iteration": trained_iterations, "results": results})
+        path = Path(self.cfg.trainer.run_dir) / "eval.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"path": e.path, "n_samples": e.n_samples, "temperature": e.temperature,
+                                    "history": self.eval_history}, indent=2))
+        metrics = {f"eval/{label.replace(':', '_')}/{key}": float(value)
+                   for label, row in results.items() for key, value in row.items()}
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step=trained_iterations)
+        return metrics
+
+    def eval_summary(self) -> str:
+        """Before/after table of the first and the last evaluation."""
+        first, last = self.eval_history[0], self.eval_history[-1]
+        e = self.cfg.eval
+        problems = next(iter(first["results"].values()))["problems"]
+        lines = [f"[eval] held-out accuracy, mean@{e.n_samples} over {problems} problems of {e.path} "
+                 f"(temperature {e.temperature}):",
+                 f"  {'KV setting':<16}{'after ' + str(first['iteration']) + ' it.':>14}"
+                 f"{'after ' + str(last['iteration']) + ' it.':>14}{'change':>10}"]
+        for label in first["results"]:
+            before, after = first["results"][label]["mean_at_k"], last["results"][label]["mean_at_k"]
+            lines.append(f"  {label:<16}{before:>14.3f}{after:>14.3f}{after - before:>+10.3f}")
+        return "\n".join(lines)
 
     def checkpoint_dir(self) -> Path:
         return Path(self.cfg.checkpoint.dir or Path(self.cfg.trainer.run_dir) / "checkpoints")
@@ -286,6 +346,9 @@ class Trainer:
         cfg = self.cfg
         algo, correction = cfg.algorithm, cfg.algorithm.correction
         group_size, mbs = cfg.rollout.n_samples_per_prompt, cfg.trainer.micro_batch_size
+        evaluating = cfg.eval.path is not None and self.rank == 0
+        if evaluating and self.start_iteration == 0:
+            self.evaluate(0)
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
@@ -341,12 +404,20 @@ class Trainer:
                     save_checkpoint(self.learner, self.checkpoint_dir(), iteration + 1, cfg.checkpoint.keep_last,
                                     extra=extra)
 
+            trained = iteration + 1
+            if evaluating and ((cfg.eval.interval and trained % cfg.eval.interval == 0)
+                               or trained == cfg.trainer.iterations):
+                with timer.phase("eval"):
+                    self.evaluate(trained)
+
             metrics.update(timer.metrics())
             metrics["time/iteration_s"] = time.perf_counter() - started
             if self.rank == 0:
                 self.tracker.log_metrics(metrics, step=iteration)
                 log(_progress_line(iteration, cfg.trainer.iterations, metrics))
                 log(f"           example response: {example[:100]!r}")
+        if evaluating and len(self.eval_history) > 1:
+            log(self.eval_summary())
         log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
 
     def close(self, ok: bool) -> None:

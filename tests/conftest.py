@@ -25,6 +25,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
 
 TRAIN_DATA = ROOT / "examples" / "data" / "arith_sums.jsonl"
+E2E_EVAL_ROWS, E2E_EVAL_MAX_NEW = 12, 16
 ENGINE_KV = dict(policy="streaming", budget=12, sink=2, window=4, interval=2)
 
 
@@ -126,6 +127,28 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
     """One real training launch: returns (run_dir, completed process)."""
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
-    config = write_test_config(work / "e2e.yaml", tiny_model_dir, run_dir)
+    held_out = work / "held_out.jsonl"
+    held_out.write_text("".join(TRAIN_DATA.read_text().splitlines(keepends=True)[:E2E_EVAL_ROWS]))
+    # greedy held-out evaluation before training, after iteration 2 and after the last (3)
+    extra = (f"eval: {{path: {held_out}, kv: 'dense,rollout', n_samples: 1, temperature: 0.0, interval: 2, "
+             f"max_new_tokens: {E2E_EVAL_MAX_NEW}}}")
+    config = write_test_config(work / "e2e.yaml", tiny_model_dir, run_dir, extra)
     proc = run_launch(config)
     return run_dir, proc
+
+
+def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[float]:
+    """transformers' greedy decoding of each row's prompt, scored against its label (exact answer)."""
+    import torch
+
+    from sparse_rl_mega.reward.exact import exact_answer_reward
+
+    out = []
+    for row in rows:
+        ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
+        with torch.no_grad():
+            generated = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id or 0)
+        out.append(exact_answer_reward(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True),
+                                       row["label"]))
+    return out

@@ -53,6 +53,13 @@ def test_examples_load():
     (lambda r: r["algorithm"]["correction"].update(is_mode="clip"), "algorithm.correction.is_low",
      "clip mode needs 0 <= is_low < 1 < is_high"),
     (lambda r: r["algorithm"].update(dual_clip=0.5), "algorithm.dual_clip", "must be > 1"),
+    (lambda r: r.update(eval={"path": "no/such.jsonl"}), "eval.path", "is not a file"),
+    (lambda r: r.update(eval={"path": r["data"]["train_path"], "kv": "dense,rkv"}), "eval.kv", "POLICY:BUDGET"),
+    (lambda r: r.update(eval={"path": r["data"]["train_path"], "kv": "dense,dense"}), "eval.kv", "repeat"),
+    (lambda r: r.update(eval={"path": r["data"]["train_path"], "kv": "snapkv:5"}), "eval.kv",
+     "must exceed rollout.kv_compression sink + window"),
+    (lambda r: r.update(eval={"path": r["data"]["train_path"], "temperature": 0.0}), "eval.n_samples",
+     "greedy decoding"),
 ])
 def test_bad_config_names_key(tmp_path, edit, key, expected):
     path = _write_variant(tmp_path, edit)

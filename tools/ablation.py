@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Train the same config under several rollout/correction variants and compare them side by side.
+
+    python tools/ablation.py examples/cpu_smollm2.yaml                       # naive, sparse_rl, dense
+    python tools/ablation.py examples/cpu_tiny.yaml --variants naive,sparse_rl,tis --iterations 5
+
+Variants (same seed, data, prompts order and sampling seeds; only what the variant names changes):
+
+  naive      sparse (KV-compressed) rollouts, no correction: PPO anchored at the dense pi_old
+  sparse_rl  sparse rollouts with the paper's rejection and importance reweighting
+  dense      rollouts without KV compression (rollout.kv_compression.policy: none), correction as in CONFIG
+  tis, icepop, bypass    sparse rollouts with that correction preset (docs/algorithm.md)
+
+Each variant is one ``tools/launch.py`` run into ``OUT/<variant>``; all log to one MLflow store
+(``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
+``OUT/ablation.png`` (reward, mismatch k3, token rejection and held-out accuracy per iteration),
+``OUT/ablation.md`` (a table) and ``OUT/ablation.json``, and logs them as a summary run. Every
+variant's config is validated before the first one starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sparse_rl_mega.config import CORRECTION_PRESETS, ConfigError, load_config  # noqa: E402
+
+EXPERIMENT = "ablation"
+# (metric, axis title) per panel; the last panel is held-out accuracy when the config evaluates
+CURVES = [("reward/mean", "training reward"), ("mismatch/k3", "mismatch k3 (dense vs sparse sampler)"),
+          ("correction/token_rejected_fraction", "token rejection fraction")]
+
+
+def variant_overrides(name: str) -> list[str]:
+    """The config overrides that make variant ``name``."""
+    if name == "dense":
+        return ["rollout.kv_compression.policy=none"]
+    if name in CORRECTION_PRESETS and name != "custom":
+        return [f"algorithm.correction.preset={name}"]
+    raise ValueError(f"unknown variant {name!r}; expected dense or a correction preset: "
+                     f"{', '.join(p for p in CORRECTION_PRESETS if p != 'custom')}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ablation.py", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML run config (e.g. examples/cpu_smollm2.yaml)")
+    p.add_argument("--variants", default="naive,sparse_rl,dense", help="comma-separated (default: %(default)s)")
+    p.add_argument("--iterations", type=int, default=None, help="trainer.iterations for every variant")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/ablation/<time>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every variant (repeatable)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out)")
+    return p.parse_args(argv)
+
+
+def plan(args) -> tuple[Path, dict[str, list[str]]]:
+    """Validate every variant's config; returns the output folder and each variant's overrides."""
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--variants {args.variants!r}: give distinct variant names")
+    if args.iterations is not None and args.iterations <= 0:
+        raise ValueError(f"--iterations must be > 0, got {args.iterations}")
+    out = (args.out or ROOT / "runs" / "ablation" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
+    runs = {}
+    for name in names:
+        overrides = [*args.overrides, *variant_overrides(name), f"trainer.run_dir={out / name}",
+                     f"tracking.tracking_uri={tracking}", f"tracking.experiment={EXPERIMENT}",
+                     f"tracking.run_name={name}", "tracking.enabled=true"]
+        if args.iterations is not None:
+            overrides.append(f"trainer.iterations={args.iterations}")
+        cfg = load_config(args.config, overrides)  # raises ConfigError naming the key
+        if name != "dense" and cfg.rollout.kv_compression.policy == "none":
+            raise ValueError(f"variant {name}: {args.config} has no KV compression "
+                             "(rollout.kv_compression.policy: none), so it would equal 'dense'")
+        runs[name] = overrides
+    return out, runs
+
+
+def collect(tracking_uri: str, names: list[str], out: Path) -> dict[str, dict]:
+    """Per variant: metric histories (step -> value) and the trainer's held-out evaluations."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    data: dict[str, dict] = {}
+    for name in names:
+        runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1) if experiment else []
+        if not runs:
+            continue
+        run_id = runs[0].info.run_id
+        curves = {key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key, _ in CURVES}
+        eval_file = out / name / "eval.json"
+        evals = json.loads(eval_file.read_text())["history"] if eval_file.is_file() else []
+        data[name] = {"run_id": run_id, "curves": curves, "eval": evals}
+    return data
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(data: dict[str, dict]) -> tuple[list[dict], str]:
+    """One row per variant and a markdown table of them."""
+    rows = []
+    for name, d in data.items():
+        reward = d["curves"]["reward/mean"]
+        steps = sorted(reward)
+        tail = steps[-max(1, len(steps) // 3):]  # the last third of the run
+        row = {"variant": name, "iterations": len(steps),
+               "reward_first": reward[steps[0]] if steps else float("nan"),
+               "reward_last_third": _mean(reward[s] for s in tail),
+               "k3_mean": _mean(d["curves"]["mismatch/k3"].values()),
+               "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values())}
+        if d["eval"]:
+            first, last = d["eval"][0], d["eval"][-1]
+            for label in last["results"]:
+                row[f"eval_{label}_before"] = first["results"].get(label, {}).get("mean_at_k", float("nan"))
+                row[f"eval_{label}_after"] = last["results"][label]["mean_at_k"]
+        rows.append(row)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row.get(k, float('nan')):.3f}" if isinstance(row.get(k), float)
+                                       else str(row.get(k, "")) for k in keys) + " |")
+    return rows, "\n".join(lines)
+
+
+def plot(data: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    has_eval = any(d["eval"] for d in data.values())
+    panels = len(CURVES) + int(has_eval)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.3))
+    for ax, (key, title) in zip(axes, CURVES):
+        for name, d in data.items():
+            points = sorted(d["curves"][key].items())
+            ax.plot([s + 1 for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=name)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("iteration")
+    if has_eval:
+        ax = axes[-1]
+        for name, d in data.items():
+            labels = list(d["eval"][-1]["results"]) if d["eval"] else []
+            for label in labels:
+                points = [(h["iteration"], h["results"][label]["mean_at_k"]) for h in d["eval"] if label in h["results"]]
+                ax.plot([i for i, _ in points], [v for _, v in points], marker="o", markersize=3,
+                        linestyle="-" if label == "dense" else "--", label=f"{name} ({label})")
+        ax.set_title("held-out accuracy (mean@k; dense -, sparse --)", fontsize=9)
+        ax.set_xlabel("iterations trained")
+        ax.set_ylim(0, 1)
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        out, runs = plan(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"ablation: {exc}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking)
+    if mlflow.get_experiment_by_name(EXPERIMENT) is None:  # artifacts beside the store, not in the cwd
+        mlflow.create_experiment(EXPERIMENT, artifact_location=(out / "mlartifacts").as_uri()
+                                 if args.tracking_uri is None else None)
+    print(f"[ablation] {len(runs)} variant(s): {', '.join(runs)} -> {out}", flush=True)
+    failed = []
+    for k, (name, overrides) in enumerate(runs.items(), 1):
+        started = time.perf_counter()
+        print(f"[ablation] ({k}/{len(runs)}) {name}: tools/launch.py {args.config} "
+              + " ".join(f"--set {o}" for o in overrides[len(args.overrides):]), flush=True)
+        code = subprocess.call([sys.executable, str(ROOT / "tools" / "launch.py"), args.config,
+                                *[f"--set={o}" for o in overrides]])
+        print(f"[ablation] {name}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
+        if code != 0:
+            failed.append(name)
+
+    data = collect(tracking, list(runs), out)
+    if not data:
+        print("[ablation] no variant produced metrics", file=sys.stderr)
+        return 1
+    rows, table = summarize(data)
+    (out / "ablation.md").write_text(table + "\n")
+    (out / "ablation.json").write_text(json.dumps({"config": str(args.config), "overrides": args.overrides,
+                                                   "rows": rows, "variants": data}, indent=2))
+    plot(data, out / "ablation.png")
+
+    mlflow.set_experiment(EXPERIMENT)
+    with mlflow.start_run(run_name="summary"):
+        mlflow.log_params({"config": str(args.config), "variants": ",".join(runs)})
+        for row in rows:
+            for key, value in row.items():
+                if isinstance(value, float):
+                    mlflow.log_metric(f"{row['variant']}/{key}", value)
+        for name in ("ablation.md", "ablation.json", "ablation.png"):
+            mlflow.log_artifact(str(out / name))
+    print(table)
+    print(f"[ablation] results in {out} (ablation.md, ablation.png, ablation.json; MLflow {tracking})")
+    if failed:
+        print(f"[ablation] failed variant(s): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

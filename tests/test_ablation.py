@@ -4,6 +4,7 @@ rollout of the two sparse variants is the same; dense rollouts have no sampler/l
 float noise; the uncorrected variant rejects nothing; the table is computed from the logged metrics."""
 import json
 import sys
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -20,10 +21,9 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
                          "--set", "trainer.lr=fast", "--out", tmp_path / "out"], 60)
     assert proc.returncode == 2 and "trainer.lr" in proc.stderr and not (tmp_path / "out").exists()
 
-    class Args:
-        variants, iterations, overrides, tracking_uri, out = "naive,sparse_rl", 2, [], None, tmp_path / "o"
-        config = str(config)
-    out, runs = plan(Args)
+    args = SimpleNamespace(config=str(config), variants="naive,sparse_rl", iterations=2, overrides=[],
+                           tracking_uri=None, out=tmp_path / "o")
+    out, runs = plan(args)
     assert runs["naive"][-1] == "trainer.iterations=2" and "algorithm.correction.preset=naive" in runs["naive"]
 
 

@@ -23,11 +23,15 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
 
     ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget (the engine's
     other KV settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig,
-    names the label; the override is None). Raises ValueError naming the bad item."""
+    names the label; the override is None). A setting named twice ('rollout' and the same explicit
+    setting) is evaluated once. Raises ValueError naming the bad item."""
     from sparse_rl_mega.kv.policies import POLICIES
 
     out: list[tuple[str, Optional[dict]]] = []
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if len(set(items)) != len(items):
+        raise ValueError(f"KV settings repeat: {items}")
+    for item in items:
         if item in ("none", "dense"):
             out.append(("dense", {"policy": "none"}))
         elif item == "rollout":
@@ -41,12 +45,13 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
                 raise ValueError(f"{item!r}: expected dense, rollout or POLICY:BUDGET with POLICY in "
                                  f"{sorted(POLICIES)} and BUDGET a positive integer")
             out.append((item, {"policy": name, "budget": int(budget)}))
-    labels = [label for label, _ in out]
     if not out:
         raise ValueError("no KV setting given")
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"KV settings repeat: {labels}")
-    return out
+    # 'rollout' may name a setting also listed explicitly (dense rollouts and 'dense'): evaluate it once
+    unique: dict[str, Optional[dict]] = {}
+    for label, override in out:
+        unique.setdefault(label, override)
+    return list(unique.items())
 
 
 def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Sequence[str], scorer,

@@ -61,7 +61,10 @@ def test_kv_variants_name_the_rollout_setting():
     assert parse_kv_variants("dense,rollout,snapkv:64", rkv) == [
         ("dense", {"policy": "none"}), ("rkv:56", None), ("snapkv:64", {"policy": "snapkv", "budget": 64})]
     assert parse_kv_variants("rollout", KVCompressionConfig()) == [("dense", None)]
+    # 'rollout' naming a setting that is also listed is evaluated once (dense rollouts: an ablation's dense arm)
+    assert parse_kv_variants("dense,rollout", KVCompressionConfig()) == [("dense", {"policy": "none"})]
+    assert parse_kv_variants("rollout,rkv:56", rkv) == [("rkv:56", None)]
     with pytest.raises(ValueError, match="repeat"):
-        parse_kv_variants("rollout,rkv:56", rkv)  # the same setting twice under one label
+        parse_kv_variants("rkv:56,rkv:56", rkv)
     with pytest.raises(ValueError, match="training rollout's KV setting"):
         parse_kv_variants("rollout")

@@ -1,10 +1,10 @@
 """The Sparse-RL loop, run by every torchrun rank.
 
 One iteration:
-  rollout (rank 0's SGLang engine, KV evicted per request) -> exact-answer reward -> GRPO advantages
+  rollout (rank 0's SGLang engine, KV evicted per request) -> reward (exact answer or math-verify) -> GRPO advantages
   -> dense ``logp_old`` from the Megatron learner -> correction (veto, token rejection, IS weights)
   -> optimizer step(s) with the corrected PPO loss -> engine weights resynced from the learner shards
-  -> metrics to MLflow and the console.
+  -> (optionally) held-out accuracy on the engine, dense and sparse -> metrics to MLflow and the console.
 """
 from __future__ import annotations
 

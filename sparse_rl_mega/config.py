@@ -269,6 +269,7 @@ class EvalConfig:
     kv: str = "dense,rollout"         # comma-separated settings
     n_samples: int = 4                # samples per problem (k of mean@k / pass@k)
     temperature: float = 1.0          # 0: greedy (then n_samples must be 1)
+    top_p: float = 1.0
     max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
     seed: int = 0
 
@@ -592,16 +593,25 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _check_against_hf_config(cfg, source)
 
 
+def missing_inputs(cfg: RunConfig) -> list[str]:
+    """Input files a run needs that do not exist here (checked by the launcher before it starts
+    anything, not by ``validate``, so that --dry-run / --plan work on any machine)."""
+    needed = {"data.train_path": cfg.data.train_path, "eval.path": cfg.eval.path}
+    hints = {"data.train_path": "a jsonl of prompts and labels",
+             "eval.path": "a prompt_label jsonl; write held-out sets with tools/prepare_data.py"}
+    return [f"{key}: {path} is not a file ({hints[key]})" for key, path in needed.items()
+            if path and not Path(path).is_file()]
+
+
 def _validate_eval(cfg: RunConfig, source: str) -> None:
     e = cfg.eval
     if e.path is None:
         return
-    _require(Path(e.path).is_file(), source, "eval.path",
-             f"{e.path} is not a file (write held-out sets with tools/prepare_data.py)")
     _require(e.limit is None or e.limit > 0, source, "eval.limit", f"must be > 0 or null, got {e.limit}")
     _require(e.interval >= 0, source, "eval.interval", f"must be >= 0 (0: before and after only), got {e.interval}")
     _require(e.n_samples > 0, source, "eval.n_samples", f"must be > 0, got {e.n_samples}")
     _require(e.temperature >= 0, source, "eval.temperature", f"must be >= 0, got {e.temperature}")
+    _require(0.0 < e.top_p <= 1.0, source, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
     _require(e.temperature > 0 or e.n_samples == 1, source, "eval.n_samples",
              "greedy decoding (eval.temperature: 0) gives one answer per problem: set n_samples: 1")
     _require(e.max_new_tokens is None or e.max_new_tokens > 0, source, "eval.max_new_tokens",

@@ -166,7 +166,7 @@ class Trainer:
         results = evaluate_on_engine(
             self.engine, self.eval_prompts, self.eval_labels, self.scorer, self.eval_variants,
             n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-            temperature=e.temperature, seed=e.seed, log=log, name=f"eval after {trained_iterations} iteration(s)")
+            temperature=e.temperature, top_p=e.top_p, seed=e.seed, log=log, name=f"eval after {trained_iterations} iteration(s)")
         self.engine.flush_cache()  # the next rollout must not depend on what evaluation left cached
         self.eval_history.append({"iteration": trained_iterations, "results": results})
         path = Path(self.cfg.trainer.run_dir) / "eval.json"

@@ -23,7 +23,7 @@ def _write_variant(tmp_path, edit):
 
 
 def test_examples_load():
-    for name in ("cpu_tiny.yaml", "70b_math.yaml"):
+    for name in ("cpu_tiny.yaml", "70b_math.yaml", "qwen2.5_7b_math.yaml", "qwen2.5_1.5b_math.yaml"):
         cfg = load_config(ROOT / "examples" / name)
         assert cfg.world_size % (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size) == 0
 
@@ -53,7 +53,6 @@ def test_examples_load():
     (lambda r: r["algorithm"]["correction"].update(is_mode="clip"), "algorithm.correction.is_low",
      "clip mode needs 0 <= is_low < 1 < is_high"),
     (lambda r: r["algorithm"].update(dual_clip=0.5), "algorithm.dual_clip", "must be > 1"),
-    (lambda r: r.update(eval={"path": "no/such.jsonl"}), "eval.path", "is not a file"),
     (lambda r: r.update(eval={"path": r["data"]["train_path"], "kv": "dense,rkv"}), "eval.kv", "POLICY:BUDGET"),
     (lambda r: r.update(eval={"path": r["data"]["train_path"], "kv": "dense,dense"}), "eval.kv", "repeat"),
     (lambda r: r.update(eval={"path": r["data"]["train_path"], "kv": "snapkv:5"}), "eval.kv",
@@ -92,7 +91,7 @@ def _launch(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name", ["cpu_tiny.yaml", "70b_math.yaml"])
+@pytest.mark.parametrize("name", ["cpu_tiny.yaml", "70b_math.yaml", "qwen2.5_7b_math.yaml", "qwen2.5_1.5b_math.yaml"])
 def test_dry_run_prints_layout(name):
     proc = _launch(f"examples/{name}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
@@ -104,6 +103,15 @@ def test_dry_run_of_70b_shows_its_scale():
     out = _launch("examples/70b_math.yaml", "--dry-run").stdout
     assert "world 64 = 8 node(s) x 8; TP 8 x PP 4 x DP 2" in out
     assert "FP8" in out and "transformer_engine" in out and "budget 512" in out
+
+
+def test_missing_input_files_stop_the_launch_before_anything_starts(tmp_path):
+    """--dry-run works without the data (cluster configs are checked on laptops); a real launch does not."""
+    proc = _launch("examples/cpu_tiny.yaml", "--set", "eval.path=no/such/held_out.jsonl",
+                   "--set", f"trainer.run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "eval.path: no/such/held_out.jsonl is not a file" in proc.stderr
+    assert not (tmp_path / "run").exists()
+    assert _launch("examples/cpu_tiny.yaml", "--set", "eval.path=no/such/held_out.jsonl", "--dry-run").returncode == 0
 
 
 def test_unknown_key_exits_nonzero_with_one_line():

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sparse_rl_mega.config import ConfigError, RunConfig, load_config  # noqa: E402
+from sparse_rl_mega.config import ConfigError, RunConfig, load_config, missing_inputs  # noqa: E402
 from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
 
@@ -79,6 +79,11 @@ def main(argv=None) -> int:
         print(describe_layout(cfg))
         print("config OK (dry run: nothing started)")
         return 0
+    missing = missing_inputs(cfg)
+    if missing:
+        for line in missing:
+            print(f"config error: {args.config}: {line}", file=sys.stderr)
+        return 2
     if not under_torchrun:
         if cfg.parallel.nnodes > 1:
             print("config error: parallel.nnodes > 1: start this script with torchrun on every node "

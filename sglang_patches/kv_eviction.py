@@ -354,6 +354,16 @@ class Compressor:
 
 
 
+def kv_pool_allocation(scheduler: Any) -> dict:
+    """What SGLang allocated for the KV pool: bytes of its K and V buffers and their rows (token
+    slots, including the padding slots SGLang adds); compared with tools/launch.py --plan."""
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    size = pool.get_kv_size_bytes()
+    buffers = getattr(pool, "k_buffer", None)
+    rows = int(buffers[0].shape[0]) if isinstance(buffers, (list, tuple)) and buffers else None
+    return {"kv_pool_bytes": int(sum(size) if isinstance(size, (tuple, list)) else size), "kv_pool_rows": rows}
+
+
 def install(settings: EngineKVSettings) -> None:
     """Hook decode allocation (compression, H2O's attention mass, pool statistics), decode positions,
     the attention layer (query recording), retraction and the scheduler's internal state."""
@@ -424,7 +434,8 @@ def install(settings: EngineKVSettings) -> None:
 
     def get_internal_state(self, recv_req):
         output = original_state(self, recv_req)
-        output.internal_state["sparse_rl_kv"] = {"settings": settings.to_dict(), **STATS.read_and_reset_peak()}
+        output.internal_state["sparse_rl_kv"] = {"settings": settings.to_dict(), **STATS.read_and_reset_peak(),
+                                                 **kv_pool_allocation(self.scheduler)}
         return output
 
     SchedulerInternalStateController.get_internal_state = get_internal_state

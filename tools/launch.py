@@ -4,9 +4,13 @@
   torchrun --nproc-per-node N tools/launch.py CONFIG      train (N = parallel.nproc_per_node)
   python tools/launch.py CONFIG                          single node: starts torchrun itself
   python tools/launch.py CONFIG --dry-run                validate and print the parallel layout
+  python tools/launch.py CONFIG --plan [--gpu-memory-gb 80] [--prompt-tokens 512]
+                                                         validate, print the layout and per-GPU memory
 
 The config is fully validated before any process starts work; a problem is reported as one line
-naming the key and what was expected, with exit status 2.
+naming the key and what was expected, with exit status 2. --plan starts nothing either (no torch,
+no GPU): it prints the learner's and the engine's memory per GPU (sparse_rl_mega/planner.py) and
+exits 0 when everything fits, 3 when something does not.
 """
 from __future__ import annotations
 
@@ -30,12 +34,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("config", help="YAML run config, e.g. examples/cpu_tiny.yaml")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config, print the layout and exit without starting anything")
+    parser.add_argument("--plan", action="store_true",
+                        help="validate, print the layout and a per-GPU memory plan of learner and engines, exit "
+                             "(0: fits, 3: something does not fit); starts nothing")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, metavar="GIB",
+                        help="--plan: memory of one GPU in GiB (2**30 bytes; default 80)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+                        help="--plan: prompt length assumed for activations and KV needs (default 512)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value by dotted path (repeatable), e.g. --set trainer.iterations=5")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint under checkpoint.dir (same as "
                              "--set checkpoint.resume=auto); a different TP/PP layout may load it")
     args = parser.parse_args(argv)
+    if args.gpu_memory_gb <= 0 or args.prompt_tokens < 1:
+        parser.error("--gpu-memory-gb must be > 0 and --prompt-tokens >= 1")
     if args.resume:
         args.overrides.append("checkpoint.resume=auto")
     return args
@@ -65,8 +78,6 @@ def describe_layout(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -79,6 +90,13 @@ def main(argv=None) -> int:
         print(describe_layout(cfg))
         print("config OK (dry run: nothing started)")
         return 0
+    if args.plan:
+        from sparse_rl_mega.planner import format_plan, plan_memory
+
+        plan = plan_memory(cfg, args.gpu_memory_gb, args.prompt_tokens)
+        print(describe_layout(cfg))
+        print(format_plan(cfg, plan))
+        return 0 if plan.fits else 3
     missing = missing_inputs(cfg)
     if missing:
         for line in missing:

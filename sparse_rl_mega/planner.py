@@ -1,0 +1,339 @@
+"""Per-GPU memory plan of a run: the learner's shard and the rollout engines' KV pool.
+
+Pure arithmetic on a validated :class:`RunConfig` (no torch, nothing started);
+``python tools/launch.py CONFIG --plan`` prints :func:`format_plan`. Sizes are bytes, printed in GiB
+(2**30 bytes, the unit torch and SGLang report GPU memory in).
+
+Learner (one GPU = one Megatron rank; the worst pipeline stage is reported):
+
+* parameters: the exact element count of this rank's shard (:func:`stage_params`), in ``model.dtype``;
+* gradients: Megatron DDP's main-grad buffer, float32 for every dtype here (``grad_reduce_in_fp32``
+  when bfloat16, see ``learner/model.py``): 4 bytes per parameter;
+* Adam: float32 ``exp_avg`` + ``exp_avg_sq`` (8 bytes per parameter), plus a float32 master copy when
+  the parameters are bfloat16 (12 bytes); divided over DP with ``parallel.use_distributed_optimizer``;
+* activations of the micro-batches in flight: an *estimate* (:func:`layer_activation_bytes`);
+* a frozen reference copy of the parameters when ``algorithm.kl_coef > 0``.
+
+Engine (one GPU = one engine TP rank): weights of one TP shard, KV bytes per token, and the KV pool
+SGLang sizes as ``mem_fraction_static x free memory at start - weights`` (capped by
+``rollout.max_total_tokens``), with the requests it holds at once densely and compressed.
+
+Colocated placement, the assumption made: the engine releases its weights and KV pool while the
+learner trains (SGLang's ``release_memory_occupation``), and the learner's model states (parameters,
+gradients, Adam, reference) stay on the GPU during rollouts. So training needs learner states +
+activations <= GPU, and the engine starts with GPU - learner states free.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sglang_patches.admission import compressed_bound
+from sglang_patches.settings import EngineKVSettings
+from sparse_rl_mega.config import ArchConfig, RunConfig
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+GRAD_BYTES = 4          # float32 main grads (Megatron DDP)
+LOGIT_COPIES = 4        # float32 [b, s, V/tp] tensors kept by the loss: upcast, shifted, exp, exp * shifted
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def layer_params(a: ArchConfig, tp: int, kv_heads: int | None = None) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank.
+
+    ``kv_heads``: key/value heads this rank holds; ``None``: ``num_query_groups / tp`` (Megatron, where
+    TP divides the groups). SGLang keeps one head per rank when TP exceeds the groups (replicas)."""
+    h, d, ffn = a.hidden_size, a.kv_channels, a.ffn_hidden_size
+    kv_heads = a.num_query_groups // tp if kv_heads is None else kv_heads
+    q = a.num_attention_heads // tp * d  # query width of this rank
+    kv = kv_heads * d                    # key width = value width of this rank
+    n = (q + 2 * kv) * h                 # linear_qkv.weight [q + 2 kv, h]   (HF q/k/v_proj, column-parallel)
+    n += h * q                           # linear_proj.weight [h, q]         (o_proj, row-parallel, no bias)
+    n += 2 * (ffn // tp) * h             # linear_fc1.weight [2 ffn/tp, h]   (gate_proj + up_proj, SwiGLU)
+    n += h * (ffn // tp)                 # linear_fc2.weight [h, ffn/tp]     (down_proj)
+    n += 2 * h                           # input / pre-MLP RMSNorm weights [h], replicated
+    if a.has_qkv_bias:                   # qwen2: linear_qkv.bias [q + 2 kv]
+        n += q + 2 * kv
+    if a.qk_layernorm:                   # qwen3: q_layernorm, k_layernorm [d], shared by heads, replicated
+        n += 2 * d
+    return n
+
+
+def stage_params(a: ArchConfig, tp: int, pp: int, stage: int) -> int:
+    """Parameters of one TP rank of pipeline stage ``stage`` (Megatron's GPTModel split).
+
+    The first stage holds the word embedding [V/tp, h]; the last the final RMSNorm [h] and the output
+    layer [V/tp, h]. Tied embeddings share one tensor only when one stage holds both (PP 1); with
+    PP > 1 the last stage keeps its own copy, kept equal to the first stage's by Megatron."""
+    h, vocab_rows = a.hidden_size, a.vocab_size // tp
+    first, last = stage == 0, stage == pp - 1
+    n = a.num_layers // pp * layer_params(a, tp)
+    if first:
+        n += vocab_rows * h
+    if last:
+        n += h
+        if not (a.tie_word_embeddings and first):
+            n += vocab_rows * h
+    return n
+
+
+def total_params(a: ArchConfig) -> int:
+    """Parameters of the whole model (the HF model's count, tied embeddings counted once)."""
+    return stage_params(a, 1, 1, 0)
+
+
+def engine_kv_heads(a: ArchConfig, tp: int) -> int:
+    """KV heads on one engine TP rank: SGLang splits them over TP and replicates when TP exceeds
+    them (one head per rank)."""
+    return max(1, a.num_query_groups // tp)
+
+
+def engine_params(a: ArchConfig, tp: int) -> int:
+    """Parameters of one SGLang TP rank: layers with this rank's heads (KV heads replicated past
+    their count), vocabulary rows ceil(V / tp) (SGLang's padding of < 64 rows is ignored), the final
+    norm, and the LM head unless tied."""
+    vocab_rows = math.ceil(a.vocab_size / tp)
+    embeddings = vocab_rows * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+    return a.num_layers * layer_params(a, tp, engine_kv_heads(a, tp)) + embeddings + a.hidden_size
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(a: ArchConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+                           flash_attention: bool, dtype_bytes: int) -> int:
+    """Estimate: activations one transformer layer stores for backward, one micro-batch, no recompute.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), for
+    16-bit activations: ``s b h (34 + 5 a s / h)`` bytes per layer. Tensor parallelism divides the 24
+    bytes of the parallel regions and the ``5 a s / h`` attention scores by ``tp``; sequence
+    parallelism also the remaining 10 (norms, dropout inputs). Fused / flash attention (Transformer
+    Engine) stores no ``[a, s, s]`` scores: that term is dropped. Scaled by ``dtype_bytes / 2``. The
+    paper's layer (4h MLP, multi-head attention, dropout masks) differs from a GQA + SwiGLU layer
+    without dropout: a rough figure, not a bound."""
+    s, b, h = seq, micro_batch, a.hidden_size
+    per_token = (34 / tp) if sequence_parallel else (10 + 24 / tp)
+    if not flash_attention:
+        per_token += 5 * a.num_attention_heads * s / (h * tp)
+    return int(s * b * h * per_token * dtype_bytes / 2)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class LearnerMemory:
+    """One learner rank on its worst pipeline stage (bytes unless named otherwise)."""
+    stage: int
+    params: int              # element count of this rank's shard
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    reference_bytes: int     # frozen KL reference copy (0 without algorithm.kl_coef)
+    activation_bytes: int    # estimate, micro-batches in flight
+    micro_batches_in_flight: int
+    seq_len: int
+
+    @property
+    def states_bytes(self) -> int:
+        """What stays resident between steps: parameters, gradients, Adam, reference."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.reference_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.states_bytes + self.activation_bytes
+
+
+@dataclass
+class EngineMemory:
+    """One engine TP rank (bytes unless named otherwise)."""
+    tp: int
+    params: int
+    weight_bytes: int
+    kv_heads: int              # KV heads on this rank
+    kv_bytes_per_token: int
+    free_bytes: int            # free GPU memory when the engine starts
+    static_bytes: int          # mem_fraction_static x free: weights + KV pool
+    pool_tokens: int           # KV slots (capped by rollout.max_total_tokens)
+    dense_tokens: int          # one request's KV slots: prompt + max_new_tokens
+    sparse_tokens: int         # the same under compression (admission rule), = dense without
+    requests_per_engine: int   # samples of one iteration per engine
+    max_running_requests: int | None
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_tokens * self.kv_bytes_per_token
+
+    @property
+    def dense_concurrent(self) -> int:
+        return self.pool_tokens // self.dense_tokens
+
+    @property
+    def sparse_concurrent(self) -> int:
+        return self.pool_tokens // self.sparse_tokens
+
+
+@dataclass
+class MemoryPlan:
+    gpu_bytes: int
+    prompt_tokens: int
+    colocated: bool
+    learner: LearnerMemory
+    engine: EngineMemory
+    problems: list[str] = field(default_factory=list)  # "does NOT fit" reasons; empty: everything fits
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def learner_memory(cfg: RunConfig, prompt_tokens: int, stage: int) -> LearnerMemory:
+    """Memory of one learner rank on pipeline stage ``stage``."""
+    a, p, t, m = cfg.model.arch, cfg.parallel, cfg.trainer, cfg.model
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dtype_bytes = DTYPE_BYTES[m.dtype]
+    n = stage_params(a, tp, pp, stage)
+    adam = 8 + (4 if m.dtype == "bfloat16" else 0)  # exp_avg + exp_avg_sq (+ fp32 master), per parameter
+    optimizer = n * adam // (cfg.data_parallel_size if p.use_distributed_optimizer else 1)
+    seq = prompt_tokens + cfg.rollout.max_new_tokens
+    micro_batches = t.global_batch_size // (cfg.data_parallel_size * t.micro_batch_size)
+    # 1F1B: stage k holds the activations of up to pp - k micro-batches before its first backward
+    in_flight = min(pp - stage, micro_batches)
+    per_layer = layer_activation_bytes(a, seq, t.micro_batch_size, tp, p.sequence_parallel,
+                                       m.transformer_impl == "transformer_engine", dtype_bytes)
+    activations = in_flight * (a.num_layers // pp) * per_layer
+    if stage == pp - 1:  # float32 logits of this rank's vocabulary slice and the loss's copies of them
+        activations += LOGIT_COPIES * seq * t.micro_batch_size * (a.vocab_size // tp) * 4
+    return LearnerMemory(stage=stage, params=n, param_bytes=n * dtype_bytes, grad_bytes=n * GRAD_BYTES,
+                         optimizer_bytes=optimizer,
+                         reference_bytes=n * dtype_bytes if cfg.algorithm.kl_coef > 0 else 0,
+                         activation_bytes=activations, micro_batches_in_flight=in_flight, seq_len=seq)
+
+
+def request_kv_tokens(cfg: RunConfig, prompt_tokens: int) -> tuple[int, int]:
+    """KV slots one request reserves when admitted: ``(dense, sparse)``.
+
+    Dense: prompt + max_new_tokens. Sparse (sglang_patches/admission.py): the prompt (prefill is
+    never compressed) + ``min(max_new_tokens, budget + interval + 1)`` decode slots; equal to dense
+    with ``policy: none``. Requests of a GRPO group share their prompt's slots in the radix cache; not
+    counted here (conservative)."""
+    kv, max_new = cfg.rollout.kv_compression, cfg.rollout.max_new_tokens
+    dense = prompt_tokens + max_new
+    if kv.policy == "none":
+        return dense, dense
+    settings = EngineKVSettings(policy=kv.policy, budget=kv.budget, sink=kv.sink, window=kv.window,
+                                interval=kv.interval)
+    return dense, prompt_tokens + min(max_new, compressed_bound(settings))
+
+
+def engine_memory(cfg: RunConfig, gpu_bytes: int, prompt_tokens: int, resident_bytes: int = 0) -> EngineMemory:
+    """One engine TP rank on a GPU of ``gpu_bytes`` where ``resident_bytes`` are already taken (the
+    colocated learner's states). SGLang's pool: ``mem_fraction_static x free - weights`` bytes."""
+    a, r = cfg.model.arch, cfg.rollout
+    tp, dtype_bytes = r.engine_tensor_parallel_size, DTYPE_BYTES[cfg.model.dtype]
+    n = engine_params(a, tp)
+    kv_heads = engine_kv_heads(a, tp)
+    per_token = 2 * a.num_layers * kv_heads * a.kv_channels * dtype_bytes  # K and V [layers, kv_heads, d]
+    free = max(0, gpu_bytes - resident_bytes)
+    static = int(free * r.mem_fraction_static)
+    pool_tokens = max(0, static - n * dtype_bytes) // per_token
+    if r.max_total_tokens:
+        pool_tokens = min(pool_tokens, r.max_total_tokens)
+    dense, sparse = request_kv_tokens(cfg, prompt_tokens)
+    return EngineMemory(tp=tp, params=n, weight_bytes=n * dtype_bytes, kv_heads=kv_heads,
+                        kv_bytes_per_token=per_token, free_bytes=free, static_bytes=static, pool_tokens=pool_tokens,
+                        dense_tokens=dense, sparse_tokens=sparse,
+                        requests_per_engine=math.ceil(cfg.samples_per_iteration / r.num_engines),
+                        max_running_requests=r.max_running_requests)
+
+
+def plan_memory(cfg: RunConfig, gpu_memory_gb: float = 80.0, prompt_tokens: int = 512) -> MemoryPlan:
+    """The plan for GPUs of ``gpu_memory_gb`` GiB and prompts of ``prompt_tokens`` tokens; the
+    learner's worst pipeline stage is the one with the largest total."""
+    gpu = int(gpu_memory_gb * GIB)
+    pp = cfg.parallel.pipeline_model_parallel_size
+    stages = [learner_memory(cfg, prompt_tokens, s) for s in range(pp)]
+    learner = max(stages, key=lambda lm: lm.total_bytes)
+    colocated = cfg.rollout.placement == "colocated"
+    # colocated: the engine starts next to the learner's resident states (of the heaviest stage)
+    resident = max(lm.states_bytes for lm in stages) if colocated else 0
+    engine = engine_memory(cfg, gpu, prompt_tokens, resident)
+    problems = []
+    if learner.total_bytes > gpu:
+        problems.append(f"learner (stage {learner.stage}) needs {gib(learner.total_bytes)} GiB, "
+                        f"{gib(learner.total_bytes - gpu)} GiB more than the GPU's {gib(gpu)} GiB")
+    need = engine.sparse_tokens  # = dense without compression
+    if engine.static_bytes < engine.weight_bytes:
+        problems.append(f"engine weights {gib(engine.weight_bytes)} GiB exceed mem_fraction_static x free = "
+                        f"{gib(engine.static_bytes)} GiB by {gib(engine.weight_bytes - engine.static_bytes)} GiB")
+    elif engine.pool_tokens < need:
+        problems.append(f"engine KV pool holds {engine.pool_tokens} tokens, {need - engine.pool_tokens} fewer than "
+                        f"one request needs ({need})")
+    return MemoryPlan(gpu_bytes=gpu, prompt_tokens=prompt_tokens, colocated=colocated, learner=learner,
+                      engine=engine, problems=problems)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
+    """The plan as text: learner, engine, assumptions and a verdict line."""
+    lm, em, m, p, r = plan.learner, plan.engine, cfg.model, cfg.parallel, cfg.rollout
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, cfg.data_parallel_size
+    adam = "fp32 master + exp_avg + exp_avg_sq" if m.dtype == "bfloat16" else "exp_avg + exp_avg_sq"
+    if p.use_distributed_optimizer:
+        adam += f", divided over DP {dp} (distributed optimizer)"
+    fused = m.transformer_impl == "transformer_engine"
+    activations = (f"estimate: Korthikanti et al. per layer, {'SP' if p.sequence_parallel else 'no SP'}, "
+                   f"{'fused attention, no s x s scores' if fused else 'with s x s scores'}; "
+                   f"{lm.micro_batches_in_flight} micro-batch(es) of {cfg.trainer.micro_batch_size} x {lm.seq_len} "
+                   f"tokens in flight{' + fp32 logits' if lm.stage == pp - 1 else ''}")
+    replicated = ", KV heads replicated" if em.tp > m.arch.num_query_groups else ""
+    capped = " (capped by rollout.max_total_tokens)" if r.max_total_tokens == em.pool_tokens else ""
+    sparse = (f"sparse {em.sparse_tokens:,} (prompt + min(max_new, budget + interval + 1)) -> "
+              f"{em.sparse_concurrent:,} concurrent" if r.kv_compression.policy != "none" else "no KV compression")
+    running = f", max_running_requests {em.max_running_requests}" if em.max_running_requests else ""
+    lines = [
+        f"memory plan: GPU {gib(plan.gpu_bytes)} GiB, prompts of {plan.prompt_tokens} tokens "
+        f"+ {r.max_new_tokens} new = {lm.seq_len}; model {total_params(m.arch) / 1e9:.3f}B parameters",
+        f"learner    rank of stage {lm.stage} (worst of PP {pp}), TP {tp}: {lm.params:,} parameters",
+        f"  parameters   {gib(lm.param_bytes):>9} GiB  ({m.dtype})",
+        f"  gradients    {gib(lm.grad_bytes):>9} GiB  (fp32 main grads)",
+        f"  Adam         {gib(lm.optimizer_bytes):>9} GiB  ({adam})",
+    ]
+    if lm.reference_bytes:
+        lines.append(f"  reference    {gib(lm.reference_bytes):>9} GiB  (frozen KL reference, algorithm.kl_coef > 0)")
+    lines += [
+        f"  activations  {gib(lm.activation_bytes):>9} GiB  ({activations})",
+        f"  total        {gib(lm.total_bytes):>9} GiB",
+        f"engine     TP {em.tp} rank ({'colocated with a learner rank' if plan.colocated else 'own GPU'}): "
+        f"{em.params:,} parameters",
+        f"  weights      {gib(em.weight_bytes):>9} GiB  ({m.dtype})",
+        f"  KV per token {em.kv_bytes_per_token:>9,} B    (2 x {m.arch.num_layers} layers x {em.kv_heads} KV head(s) "
+        f"x {m.arch.kv_channels} x {DTYPE_BYTES[m.dtype]} B{replicated})",
+        f"  static       {gib(em.static_bytes):>9} GiB  (mem_fraction_static {r.mem_fraction_static} "
+        f"x {gib(em.free_bytes)} GiB free at start)",
+        f"  KV pool      {gib(em.pool_bytes):>9} GiB  = {em.pool_tokens:,} tokens{capped}",
+        f"  per request  dense {em.dense_tokens:,} tokens -> {em.dense_concurrent:,} concurrent; {sparse}",
+        f"  demand       {em.requests_per_engine:,} samples per iteration per engine{running}",
+    ]
+    if plan.colocated:
+        lines.append(
+            "assumption colocated: the engine releases its weights and KV pool while the learner trains (SGLang "
+            "release_memory_occupation) and the learner's states stay resident during rollouts, so the engine starts "
+            f"with GPU - learner states = {gib(em.free_bytes)} GiB free; without the release, training has "
+            f"{gib(em.free_bytes - em.static_bytes)} GiB left for {gib(lm.activation_bytes)} GiB of activations")
+    lines.append("not counted: CUDA context, allocator fragmentation, NCCL buffers, SGLang's CUDA graphs and "
+                 "activations (the 1 - mem_fraction_static it leaves), FP8 caches")
+    lines.append("verdict    " + ("fits" if plan.fits else "does NOT fit: " + "; ".join(plan.problems)))
+    return "\n".join(lines)

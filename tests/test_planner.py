@@ -1,0 +1,164 @@
+"""The memory planner (sparse_rl_mega/planner.py, ``tools/launch.py CONFIG --plan``) against real models.
+
+* parameters: the planner's whole-model count equals transformers' for every family (tiny random
+  configs and the 70B example's shape, built on the meta device); each rank's shard at TP2 x PP2
+  equals the parameters of the real Megatron GPTModel chunk of that rank (one torchrun launch);
+  TP shards add up to the whole layer; KV heads per engine rank follow SGLang's own rule;
+* KV: one real SGLang engine on CPU: its KV pool's K/V buffers hold exactly the planner's bytes per
+  token x their rows, and the pool has ``rollout.max_total_tokens`` slots as planned;
+* CLI: ``--plan`` works for every example in examples/ and says "does NOT fit" (exit 3) for 70B on
+  one 80 GiB GPU.
+"""
+import json
+
+import pytest
+
+from sparse_rl_mega.config import ArchConfig, config_from_dict, load_config
+from sparse_rl_mega.planner import (GIB, engine_kv_heads, engine_memory, engine_params, layer_params, plan_memory,
+                                    request_kv_tokens, stage_params, total_params)
+from tests.conftest import ROOT, TRAIN_DATA, run_launch, run_torchrun
+
+TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+            vocab_size=96, max_position_embeddings=128)
+FAMILIES = {
+    "llama": dict(family="llama"),
+    "llama-tied": dict(family="llama", tie_word_embeddings=True),
+    "qwen2-bias": dict(family="qwen2"),
+    "qwen3-qknorm-tied": dict(family="qwen3", head_dim=24, tie_word_embeddings=True),
+}
+EXAMPLE_70B = ROOT / "examples" / "70b_math.yaml"
+
+
+def _hf_param_count(arch: ArchConfig) -> int:
+    """transformers' parameter count of this architecture (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl_mega.models.tiny import hf_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(arch, eos_id=0))
+    return sum(p.numel() for p in model.parameters())  # a tied weight is listed once
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_total_params_match_transformers(name):
+    arch = ArchConfig(**TINY, **FAMILIES[name])
+    assert total_params(arch) == _hf_param_count(arch)
+    assert engine_params(arch, 1) == total_params(arch)
+
+
+def test_70b_total_params_match_transformers():
+    arch = load_config(EXAMPLE_70B).model.arch
+    assert total_params(arch) == _hf_param_count(arch) == 70_553_706_496  # Llama-3.1-70B
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_shards_add_up_to_the_layer(tp):
+    """Every TP rank holds 1/tp of each matrix and bias and a full copy of the norms."""
+    arch = load_config(EXAMPLE_70B).model.arch
+    qwen3 = ArchConfig(**{**TINY, "num_attention_heads": 8, "num_query_groups": 8}, family="qwen3", head_dim=24)
+    qwen2 = ArchConfig(**{**TINY, "num_attention_heads": 8, "num_query_groups": 8}, family="qwen2")
+    for a in (arch, qwen3, qwen2):
+        replicated = 2 * a.hidden_size + (2 * a.kv_channels if a.qk_layernorm else 0)
+        assert tp * layer_params(a, tp) == layer_params(a, 1) + (tp - 1) * replicated
+        # pipeline stages partition the layers; the embedding lives on the first stage, the output layer on the last
+        assert sum(stage_params(a, 1, 4, s) for s in range(4)) == total_params(a)
+
+
+def test_megatron_rank_shards_match(tmp_path):
+    """One torchrun launch at TP2 x PP2: every rank's real GPTModel chunk, every family."""
+    archs = {name: {**TINY, **keys} for name, keys in FAMILIES.items()}
+    (tmp_path / "archs.json").write_text(json.dumps(archs))
+    out = tmp_path / "counts.json"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "param_count_check.py", 2, 2, tmp_path / "archs.json", out,
+                        nproc=4, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(out.read_text())
+    for name, keys in archs.items():
+        arch = ArchConfig(**keys)
+        assert len(counts[name]) == 4
+        for tp_rank, pp_rank, count in counts[name]:
+            assert count == stage_params(arch, 2, 2, pp_rank), (name, tp_rank, pp_rank)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_engine_kv_heads_follow_sglang(groups):
+    """KV heads per engine rank: SGLang's own rule (split over TP, one replicated head per rank past
+    the group count)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    arch = ArchConfig(**{**TINY, "num_attention_heads": 16, "num_query_groups": groups})
+    stub = SimpleNamespace(get_total_num_kv_heads=lambda: groups, is_draft_model=False)
+    for tp in (1, 2, 4, 8, 16):
+        assert engine_kv_heads(arch, tp) == ModelConfig.get_num_kv_heads(stub, tp), tp
+
+
+# ----------------------------------------------------------------------------- the real engine's KV pool
+
+POOL_TOKENS = 3000
+
+
+def _tiny_run_config(model_dir, arch: ArchConfig, **rollout):
+    return config_from_dict({
+        "model": {"path": str(model_dir), "arch": {k: getattr(arch, k) for k in TINY}},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 24, **rollout},
+        "data": {"train_path": str(TRAIN_DATA), "prompts_per_iteration": 2},
+        "trainer": {"global_batch_size": 8, "micro_batch_size": 1}})
+
+
+@pytest.fixture(scope="module")
+def pool_engine(tiny_model_dir):
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(policy="rkv", budget=12, sink=2, window=4, interval=2),
+                           max_total_tokens=POOL_TOKENS, max_running_requests=8)
+    yield engine
+    engine.shutdown()
+
+
+def test_kv_bytes_match_the_engines_pool(pool_engine, tiny_model_dir, tiny_arch):
+    state = pool_engine.engine.get_server_info()["internal_states"][0]
+    allocated = state["sparse_rl_kv"]
+    cfg = _tiny_run_config(tiny_model_dir, tiny_arch, max_total_tokens=POOL_TOKENS,
+                           kv_compression={"policy": "rkv", "budget": 12, "sink": 2, "window": 4, "interval": 2})
+    em = engine_memory(cfg, 80 * GIB, prompt_tokens=10)
+    # 2 (K, V) x 4 layers x 2 KV heads x 16 head width x 4 bytes (float32)
+    assert em.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4
+    assert em.pool_tokens == state["memory_usage"]["token_capacity"] == POOL_TOKENS
+    # SGLang's buffers: one row per slot plus its padding page (page_size 1), K and V for every layer
+    assert allocated["kv_pool_rows"] == POOL_TOKENS + 1
+    assert allocated["kv_pool_bytes"] == em.kv_bytes_per_token * allocated["kv_pool_rows"]
+    assert abs(state["memory_usage"]["kvcache"] - allocated["kv_pool_bytes"] / GIB) < 1e-3  # SGLang's GB figure
+    # the admission rule: prompt + min(max_new, budget + interval + 1) slots compressed, prompt + max_new dense
+    assert request_kv_tokens(cfg, 10) == (10 + 24, 10 + 12 + 2 + 1)
+    assert (em.dense_concurrent, em.sparse_concurrent) == (POOL_TOKENS // 34, POOL_TOKENS // 25)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_plan_every_example(example):
+    proc = run_launch(example, "--plan", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for expected in ("memory plan:", "learner    rank of stage", "KV per token", "activations", "verdict    fits"):
+        assert expected in proc.stdout, expected
+
+
+def test_plan_says_an_impossible_layout_does_not_fit():
+    """70B at TP 1 x PP 1: the learner alone needs several GPUs' memory; exit 3."""
+    proc = run_launch(EXAMPLE_70B, "--plan", "--set", "parallel.nnodes=1", "--set",
+                      "parallel.tensor_model_parallel_size=1", "--set", "parallel.pipeline_model_parallel_size=1",
+                      "--set", "parallel.sequence_parallel=false", "--set", "rollout.num_engines=1", timeout=120)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "does NOT fit: learner (stage 0) needs" in proc.stdout
+    # a separate engine at TP 1: the bfloat16 weights (131 GiB) exceed 0.7 x 80 GiB
+    cfg = load_config(EXAMPLE_70B, ["rollout.engine_tensor_parallel_size=1", "rollout.placement=separate",
+                                    "trainer.sync_method=broadcast"])
+    plan = plan_memory(cfg, 80.0)
+    assert not plan.fits and any(p.startswith("engine weights") for p in plan.problems)
+    assert plan.engine.weight_bytes == 2 * total_params(cfg.model.arch)

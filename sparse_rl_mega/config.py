@@ -517,7 +517,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              f"world size nnodes*nproc_per_node={cfg.world_size} is not divisible by TP*PP={tp * pp}")
     _require(not p.sequence_parallel or tp > 1, source, "parallel.sequence_parallel",
              "needs tensor_model_parallel_size > 1")
-    _require(r.engine_tensor_parallel_size <= p.nproc_per_node, source, "rollout.engine_tensor_parallel_size",
+    _require(r.engine_tensor_parallel_size <= p.nproc_per_node or r.placement == "separate", source,
+             "rollout.engine_tensor_parallel_size",
              f"{r.engine_tensor_parallel_size} exceeds the devices of one node (parallel.nproc_per_node="
              f"{p.nproc_per_node}); an engine's TP group stays within a node")
     _require(a.num_attention_heads % r.engine_tensor_parallel_size == 0, source,
@@ -525,11 +526,22 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              f"{r.engine_tensor_parallel_size} must divide model.arch.num_attention_heads={a.num_attention_heads}")
     _require(r.placement != "separate" or t.sync_method == "broadcast", source, "trainer.sync_method",
              "separate engines (rollout.placement: separate) receive weights by broadcast: set 'broadcast'")
+    _require(r.num_engines == 1 or t.sync_method == "broadcast", source, "trainer.sync_method",
+             f"{r.num_engines} engines receive weights from rank 0 over one broadcast group: set 'broadcast'")
+    _require(r.num_engines % p.nnodes == 0, source, "rollout.num_engines",
+             f"{r.num_engines} engines cannot be spread evenly over parallel.nnodes={p.nnodes} nodes")
+    per_node = r.num_engines // p.nnodes
     if r.placement == "colocated":
-        need = r.num_engines * r.engine_tensor_parallel_size
-        _require(need <= cfg.world_size, source, "rollout.num_engines",
-                 f"{r.num_engines} colocated engines x TP {r.engine_tensor_parallel_size} = {need} devices "
-                 f"exceed the world size {cfg.world_size}")
+        need = per_node * r.engine_tensor_parallel_size
+        _require(need <= p.nproc_per_node, source, "rollout.num_engines",
+                 f"{per_node} colocated engine(s) per node x TP {r.engine_tensor_parallel_size} = {need} devices "
+                 f"exceed the {p.nproc_per_node} devices of a node (parallel.nproc_per_node)")
+    else:
+        _require(per_node <= p.nproc_per_node, source, "rollout.num_engines",
+                 f"{per_node} separate engines per node need as many learner processes per node to drive them "
+                 f"(parallel.nproc_per_node={p.nproc_per_node})")
+    _require(d.prompts_per_iteration % r.num_engines == 0, source, "data.prompts_per_iteration",
+             f"{d.prompts_per_iteration} prompts cannot be shared equally by rollout.num_engines={r.num_engines}")
     _require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.temperature > 0.0, source, "rollout.temperature",
              f"must be > 0 (RL samples), got {r.temperature}")

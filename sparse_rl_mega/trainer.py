@@ -63,6 +63,8 @@ class Trainer:
         self.ref_model = None
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
+        self.placement = None  # this rank's engine, when it hosts one (sparse_rl_mega/rollout/placement.py)
+        self.engine_released = False  # a colocated GPU engine gave its memory to the learner
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -98,37 +100,10 @@ class Trainer:
             f"DP={self.dp_size}; weights loaded from {cfg.model.path}")
         self.maybe_resume()
 
+        self.start_engines()
         if self.rank == 0:
-            from transformers import AutoTokenizer
-
-            from sparse_rl_mega.reward import build_scorer
-            from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
             from sparse_rl_mega.tracking import Tracker
 
-            self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            r = cfg.rollout
-            started = time.perf_counter()
-            log(f"[setup] starting SGLang engine (KV policy {r.kv_compression.policy}, "
-                f"budget {r.kv_compression.budget}) ...")
-            kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
-            if cfg.eval.path is not None:
-                self.setup_eval()
-                # dense (or another policy) for evaluation requests: the engine accepts per-request settings
-                kv_settings.allow_request_override = any(o is not None for _, o in self.eval_variants)
-            self.engine = RolloutEngine(cfg.model.path, kv_settings,
-                                        dtype=cfg.model.dtype,
-                                        seed=cfg.trainer.seed, max_total_tokens=r.max_total_tokens,
-                                        max_running_requests=r.max_running_requests,
-                                        mem_fraction_static=r.mem_fraction_static,
-                                        attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size)
-            log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
-            if cfg.trainer.sync_method == "broadcast":
-                from sparse_rl_mega.ports import free_port
-
-                self.engine.connect_weight_group("127.0.0.1", free_port(),
-                                                 backend="gloo" if not torch.cuda.is_available() else "nccl")
-                log("[setup] weight-update group joined (broadcast sync)")
             resume_run = (self.resumed_from or {}).get("mlflow_run_id")
             self.tracker = Tracker(cfg, resume_run_id=resume_run)
             if self.tracker.enabled:
@@ -138,6 +113,60 @@ class Trainer:
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
             self.sync_weights(PhaseTimer(), None)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
+
+    def start_engines(self) -> None:
+        """Every engine host starts its engine (with its reward scorer); with the broadcast sync, rank 0
+        and every engine join one weight group (sparse_rl_mega/rollout/placement.py)."""
+        from sparse_rl_mega.rollout.placement import engine_placements, weight_group_size
+
+        cfg, r = self.cfg, self.cfg.rollout
+        p = cfg.parallel
+        self.placements = engine_placements(p.nnodes, p.nproc_per_node, r.num_engines,
+                                            r.engine_tensor_parallel_size, r.placement)
+        mine = [e for e in self.placements if e.host_rank == self.rank]
+        self.placement = mine[0] if mine else None
+        on_gpu = torch.cuda.is_available()
+        # colocated engines on GPU give their memory back while the learner trains
+        self.release_memory = on_gpu and r.placement == "colocated"
+        if self.placement is not None:
+            from transformers import AutoTokenizer
+
+            from sparse_rl_mega.reward import build_scorer
+            from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
+
+            self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            started = time.perf_counter()
+            log(f"[setup] starting {len(self.placements)} SGLang engine(s) x TP {r.engine_tensor_parallel_size} "
+                f"({r.placement}; KV policy {r.kv_compression.policy}, budget {r.kv_compression.budget}) ...")
+            kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
+            if cfg.eval.path is not None and self.rank == 0:
+                self.setup_eval()
+                # dense (or another policy) for evaluation requests: the engine accepts per-request settings
+                kv_settings.allow_request_override = any(o is not None for _, o in self.eval_variants)
+            self.engine = RolloutEngine(cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                                        max_total_tokens=r.max_total_tokens,
+                                        max_running_requests=r.max_running_requests,
+                                        mem_fraction_static=r.mem_fraction_static,
+                                        attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size,
+                                        base_gpu_id=self.placement.first_device, memory_saver=self.release_memory)
+            log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
+        if cfg.trainer.sync_method == "broadcast":
+            from sparse_rl_mega.ports import free_port
+
+            address = [None]
+            if self.rank == 0:  # rank 0 hosts the group's store: the launcher's master address reaches it
+                host = os.environ.get("MASTER_ADDR", "127.0.0.1") if p.nnodes > 1 else "127.0.0.1"
+                address = [(host, free_port())]
+            dist.broadcast_object_list(address, src=0)
+            host, port = address[0]
+            backend = "nccl" if on_gpu else "gloo"
+            size = weight_group_size(self.placements)
+            if self.rank == 0:
+                self.engine.connect_weight_group(host, port, backend=backend, world_size=size)
+            elif self.placement is not None:
+                self.engine.join_weight_group(host, port, self.placement.rank_offset, size, backend=backend)
+            log(f"[setup] weight broadcast group of {size} members joined ({backend}, {host}:{port})")
 
     def setup_eval(self) -> None:
         """Rank 0: the held-out prompts and KV settings of ``eval``."""
@@ -219,51 +248,87 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
     def rollout(self, iteration: int, timer: PhaseTimer):
-        """Rank 0: generate and score; everyone: receive the packed batch."""
+        """Engine hosts: sample and score their shard of the iteration's prompts; everyone: the whole
+        batch in prompt order (each rank then trains on its data-parallel rows)."""
         from sparse_rl_mega.batch import pack_samples
+        from sparse_rl_mega.rollout.placement import prompt_shard
+
+        cfg = self.cfg
+        mine = None
+        if self.placement is not None:
+            records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
+            mine = self.sample_shard(records, prompt_shard(len(records), len(self.placements), self.placement.index),
+                                     iteration, timer)
+        shards: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+        shards = sorted((s for s in shards if s is not None), key=lambda s: s["first_prompt"])
+        # every prompt of the iteration exactly once, each with its whole group
+        n = cfg.rollout.n_samples_per_prompt
+        covered = [sample.prompt_index for s in shards for sample in s["samples"][::n]]
+        if covered != list(range(cfg.data.prompts_per_iteration)) or \
+                any(len(s["samples"]) != n * len(s["samples"][::n]) for s in shards):
+            raise RuntimeError(f"rollout shards do not cover the {cfg.data.prompts_per_iteration} prompts once "
+                               f"each: got prompts {covered}")
+        samples = [sample for s in shards for sample in s["samples"]]
+        rewards = [reward for s in shards for reward in s["rewards"]]
+        batch = pack_samples(samples, rewards, pad_id=shards[0]["pad_id"])
+        per_sample = [c for s in shards for c in s["compression"]]
+        response_lens = [len(x.response_ids) for x in samples]
+        evicted = sum(s["kv"]["evicted_tokens"] for s in shards)
+        from sparse_rl_mega.reward.scorer import ScorerStats
+
+        scored = ScorerStats()
+        for s in shards:
+            scored.add(s["scorer"])
+        metrics = {
+            "reward/mean": float(batch.rewards.mean()),
+            **scored.metrics("reward/"),
+            "rollout/engines": float(len(shards)),
+            "rollout/weight_version": float(shards[0]["weight_version"]),
+            "rollout/response_len_mean": sum(response_lens) / len(response_lens),
+            "rollout/truncated_fraction": sum(x.finish_reason == "length" for x in samples) / len(samples),
+            "kv/evicted_tokens": evicted,
+            "kv/evicted_tokens_per_sample": evicted / len(samples),
+            "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
+            "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
+            "kv/compactions": sum(s["kv"]["compactions"] for s in shards),
+            "kv/freed_slots": sum(s["kv"]["freed_slots"] for s in shards),
+            "kv/peak_slots_in_use": max(s["peak_slots_in_use"] for s in shards),  # per engine
+            "kv/pool_size": float(shards[0]["pool_size"]),
+        }
+        return batch, metrics, samples[0].response_text
+
+    def sample_shard(self, records, shard: range, iteration: int, timer: PhaseTimer) -> dict:
+        """This host's engine samples prompts ``shard`` of the iteration's ``records``; scored."""
         from sparse_rl_mega.data.formatting import encode_prompt
 
         cfg = self.cfg
-        payload = [None]
-        if self.rank == 0:
-            records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
-            prompts_ids = [encode_prompt(self.tokenizer, r.prompt) for r in records]
-            with timer.phase("rollout"):
-                stats_before = self.engine.kv_stats()
-                samples = self.engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt,
-                                               cfg.rollout.max_new_tokens, cfg.rollout.temperature,
-                                               cfg.rollout.top_p, seed=cfg.trainer.seed * 100_003 + iteration * 7919)
-                stats_after = self.engine.kv_stats()
-            stale = {s.weight_version for s in samples} - {str(self.engine.weight_version)}
-            if stale:  # a sample generated with other weights than the learner's last push
-                raise RuntimeError(f"rollout samples report weight version(s) {sorted(stale)}, "
-                                   f"expected {self.engine.weight_version}")
-            with timer.phase("reward"):
-                rewards = self.scorer.score([s.response_text for s in samples],
-                                            [records[s.prompt_index].label for s in samples])
-            batch = pack_samples(samples, rewards, pad_id=self.tokenizer.pad_token_id or 0)
-            response_lens = [len(s.response_ids) for s in samples]
-            per_sample = self.per_sample_compression(samples)
-            delta = {key: float(stats_after.get(key, 0) - stats_before.get(key, 0))
-                     for key in ("evicted_tokens", "compactions", "freed_slots")}
-            evicted = delta["evicted_tokens"]
-            payload = [(batch, {
-                "reward/mean": float(batch.rewards.mean()),
-                **self.scorer.last_stats.metrics("reward/"),
-                "rollout/weight_version": float(self.engine.weight_version),
-                "rollout/response_len_mean": sum(response_lens) / len(response_lens),
-                "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
-                "kv/evicted_tokens": evicted,
-                "kv/evicted_tokens_per_sample": evicted / len(samples),
-                "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
-                "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
-                "kv/compactions": delta["compactions"],
-                "kv/freed_slots": delta["freed_slots"],
-                "kv/peak_slots_in_use": float(stats_after.get("peak_slots_in_use", 0)),
-                "kv/pool_size": float(stats_after.get("pool_size", 0)),
-            }, samples[0].response_text)]
-        dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+        prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
+        with timer.phase("rollout"):
+            stats_before = self.engine.kv_stats()
+            # the seeds of one engine given every prompt: the same samples for any number of engines
+            samples = self.engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens,
+                                           cfg.rollout.temperature, cfg.rollout.top_p,
+                                           seed=cfg.trainer.seed * 100_003 + iteration * 7919, prompt_offset=shard.start)
+            stats_after = self.engine.kv_stats()
+        for sample in samples:  # the iteration's prompt numbering (GRPO group ids)
+            sample.prompt_index += shard.start
+        stale = {s.weight_version for s in samples} - {str(self.engine.weight_version)}
+        if stale:  # a sample generated with other weights than the learner's last push
+            raise RuntimeError(f"engine {self.placement.index}: rollout samples report weight version(s) "
+                               f"{sorted(stale)}, expected {self.engine.weight_version}")
+        with timer.phase("reward"):
+            rewards = self.scorer.score([s.response_text for s in samples],
+                                        [records[s.prompt_index].label for s in samples])
+        return {
+            "first_prompt": shard.start, "samples": samples, "rewards": rewards, "scorer": self.scorer.last_stats,
+            "pad_id": self.tokenizer.pad_token_id or 0, "weight_version": self.engine.weight_version,
+            "compression": self.per_sample_compression(samples),
+            "kv": {key: float(stats_after.get(key, 0) - stats_before.get(key, 0))
+                   for key in ("evicted_tokens", "compactions", "freed_slots")},
+            "peak_slots_in_use": float(stats_after.get("peak_slots_in_use", 0)),
+            "pool_size": float(stats_after.get("pool_size", 0)),
+        }
 
     def per_sample_compression(self, samples) -> list[tuple[int, int]]:
         """``(compressions, evicted tokens)`` of each sample, replayed from its lengths."""
@@ -277,6 +342,20 @@ class Trainer:
         return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
                                      [t in newlines for t in s.response_ids]) for s in samples]
 
+    def check_data_parallel_split(self, batch, local) -> int:
+        """Every GRPO group of the batch is trained by exactly one data-parallel rank, whole; returns
+        this rank's number of groups (a collective over the DP group)."""
+        mine = sorted(set(local.group_ids.tolist()))
+        everyone: list = [None] * self.dp_size
+        dist.all_gather_object(everyone, mine, group=self.dp_group)
+        owned = [g for groups in everyone for g in groups]
+        expected = sorted(set(batch.group_ids.tolist()))
+        rows_per_group = self.cfg.rollout.n_samples_per_prompt
+        if sorted(owned) != expected or local.size != len(mine) * rows_per_group:
+            raise RuntimeError(f"data-parallel split: ranks own groups {everyone}, expected each of {expected} "
+                               f"exactly once with all {rows_per_group} samples")
+        return len(mine)
+
     def local_indices(self, batch_size: int) -> torch.Tensor:
         """Rows of the rollout batch this DP rank trains on: for optimizer step k, slice r of the
         k-th global batch. The same global rows form step k for any DP size."""
@@ -287,44 +366,69 @@ class Trainer:
         return torch.cat(rows)
 
     def sync_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]]) -> dict[str, float]:
-        """Push the learner's shards to the engine as HF tensors, streamed layer by layer into buckets
-        (every rank takes part: the pieces travel to rank 0); optionally check the result."""
+        """Push the learner's shards to every engine as HF tensors, streamed layer by layer into buckets
+        (every rank takes part: the pieces travel to rank 0, which pushes them to its engine in-process
+        or broadcasts them to all engines); optionally check every engine against the learner."""
         from sparse_rl_mega.learner.weights import buckets, stream_hf_tensors
 
         cfg = self.cfg
         metrics: dict[str, float] = {}
         check = probe_ids is not None
         learner_logp = self.probe_logprobs(probe_ids) if check else None  # every rank takes part
-        if self.rank == 0 and check:
-            metrics["sync/pre_sync_max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids),
-                                                                          learner_logp)
+        host = self.engine is not None
+        if check:
+            before = self.engine.dense_logprobs(probe_ids) if host else None
+            metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(
+                _max_abs_diff(before, learner_logp) if host else None)
+        if host and self.engine_released:
+            self.engine.resume_memory()
+            self.engine_released = False
         with timer.phase("sync"):
-            stream = stream_hf_tensors(self.learner.module, cfg.model.arch)
+            dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+            bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
+            # engine hosts other than rank 0 plan the same buckets from the tensors' shapes and receive them
+            stream = stream_hf_tensors(self.learner.module, cfg.model.arch, specs_elsewhere=host)
             if self.rank == 0:
-                dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
                 sent: list[int] = []  # bytes of each tensor pushed, for the metrics
 
                 def counted(named):
                     for name, tensor in named:
                         sent.append(tensor.numel() * dtype.itemsize)
                         yield name, tensor
-                parts = buckets(counted(stream), int(cfg.trainer.sync_bucket_mb * 2**20), dtype)
+                parts = buckets(counted(stream), bucket_bytes, dtype)
                 push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
                     else self.engine.update_weights
                 version = push(parts)
-                served = self.engine.served_weight_version()
-                if served != str(version):
-                    raise RuntimeError(f"after the weight sync the engine serves version {served}, expected {version}")
-                metrics["sync/weight_version"] = float(version)
                 metrics["sync/bytes"] = float(sum(sent))
                 metrics["sync/tensors"] = float(len(sent))
+            elif host:
+                version = self.engine.receive_weights_broadcast(buckets(stream, bucket_bytes, dtype))
             else:
                 for _ in stream:  # send this rank's pieces
                     pass
-        if self.rank == 0 and check:
-            metrics["sync/max_abs_logprob_diff"] = _max_abs_diff(self.engine.dense_logprobs(probe_ids), learner_logp)
-            self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
+            if host:
+                served = self.engine.served_weight_version()
+                if served != str(version):
+                    raise RuntimeError(f"after the weight sync engine {self.placement.index} serves version "
+                                       f"{served}, expected {version}")
+            versions: list = [None] * dist.get_world_size()
+            dist.all_gather_object(versions, version if host else None)
+            if len({v for v in versions if v is not None}) != 1:
+                raise RuntimeError(f"engines serve different weight versions after the sync: {versions}")
+            metrics["sync/weight_version"] = float(next(v for v in versions if v is not None))
+        if check:
+            after = self.engine.dense_logprobs(probe_ids) if host else None
+            metrics["sync/max_abs_logprob_diff"] = self.max_over_engines(
+                _max_abs_diff(after, learner_logp) if host else None)
+            if host:
+                self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
         return metrics
+
+    def max_over_engines(self, value: Optional[float]) -> float:
+        """The largest of the engine hosts' values (a collective: every rank calls it)."""
+        values: list = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return max(v for v in values if v is not None)
 
     def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
         """The learner's dense logprobs of ``probe_ids[1:]`` (every rank takes part)."""
@@ -353,9 +457,13 @@ class Trainer:
             timer = PhaseTimer()
             started = time.perf_counter()
             batch, metrics, example = self.rollout(iteration, timer)
+            if self.release_memory and self.engine is not None:  # the learner trains in the engine's memory
+                self.engine.release_memory()
+                self.engine_released = True
             if not algo.advantage_after_rejection:
                 batch.advantages = grpo_advantages(batch.rewards, group_size, algo.advantage_std_normalize)
             local = batch.select(self.local_indices(batch.size))
+            metrics["rollout/prompts_per_dp_rank"] = float(self.check_data_parallel_split(batch, local))
             with timer.phase("logp_old"):
                 if correction.old_policy == "sampler":  # bypass: the sampler is the PPO anchor
                     local.logp_old = local.logp_sparse.clone()
@@ -468,9 +576,6 @@ def run_training(cfg: RunConfig) -> None:
 
     on_cpu = apply_if_cpu()
     torch.set_num_threads(cfg.trainer.torch_threads)
-    if cfg.rollout.num_engines != 1 or cfg.rollout.placement != "colocated":
-        raise SystemExit("this build trains with one colocated engine owned by rank 0 "
-                         "(rollout.num_engines: 1, rollout.placement: colocated)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != cfg.world_size:
         raise SystemExit(f"torchrun started {world} processes but the config's parallel section describes "

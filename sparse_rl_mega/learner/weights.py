@@ -130,7 +130,8 @@ def load_hf_into_model(module: torch.nn.Module, hf_dir: str | Path, arch: ArchCo
 
 
 @torch.no_grad()
-def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0,
+                      specs_elsewhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors, one layer's piece at a time, on global rank ``dst``.
 
     Every rank must iterate this to the end (elsewhere it yields nothing, but sends its pieces).
@@ -138,7 +139,9 @@ def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0) -
     (in one global order) ``dst`` assembles the full tensor from its own pieces and point-to-point
     receives from the ranks that own the others (the TP ranks of the PP stage holding that layer),
     then yields its HF tensors. Memory on ``dst`` beyond its shards: one layer's largest tensor plus
-    what the consumer keeps (a bucket)."""
+    what the consumer keeps (a bucket). ``specs_elsewhere``: the other ranks yield the same names, in
+    the same order, with meta-device tensors of the same shapes and dtypes (an engine host that
+    receives the broadcast plans its buckets exactly as ``dst`` fills them)."""
     rank = dist.get_rank()
     shards = _local_shards(module, main_replica_only=True)
     # metadata only: (group, key, global shape, index, dtype) of every piece, everywhere
@@ -176,6 +179,11 @@ def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0) -
             elif rank == owner:
                 dist.send(shards[number].data.detach().to("cpu").contiguous(), dst=dst)
         if rank != dst:
+            if specs_elsewhere:
+                _, shape, _, dtype, _ = pieces[0]
+                entry = by_key[key]
+                names = hf_names(entry, layer if entry.per_layer else None)
+                yield from zip(names, split(entry, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"), arch))
             continue
         if filled != full.numel():
             raise RuntimeError(f"{key} layer {layer}: gathered {filled} of {full.numel()} elements")

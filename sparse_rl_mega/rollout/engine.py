@@ -90,7 +90,10 @@ class RolloutEngine:
     def __init__(self, model_path: str, kv: EngineKVSettings, *, dtype: str = "float32", seed: int = 0,
                  max_total_tokens: Optional[int] = None, max_running_requests: Optional[int] = None,
                  mem_fraction_static: float = 0.8, attention_backend: Optional[str] = None,
-                 tp_size: int = 1, log_level: str = "error"):
+                 tp_size: int = 1, base_gpu_id: int = 0, memory_saver: bool = False, log_level: str = "error"):
+        """``base_gpu_id``: the node-local GPU of the engine's TP rank 0 (GPU only); ``memory_saver``:
+        start with SGLang's memory saver so :meth:`release_memory` can free weights and KV pool while a
+        colocated learner trains (GPU only)."""
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if not torch.cuda.is_available() else "0")
         os.environ[ENV_VAR] = kv.to_env()
         import sglang as sgl
@@ -107,8 +110,10 @@ class RolloutEngine:
         if on_cpu:
             kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native",
                           sampling_backend="pytorch", disable_cuda_graph=True)
-        elif attention_backend:
-            kwargs["attention_backend"] = attention_backend
+        else:
+            kwargs.update(base_gpu_id=base_gpu_id, enable_memory_saver=memory_saver)
+            if attention_backend:
+                kwargs["attention_backend"] = attention_backend
         if max_total_tokens:
             kwargs["max_total_tokens"] = max_total_tokens
         if max_running_requests:
@@ -124,13 +129,16 @@ class RolloutEngine:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
-                 kv_override: Optional[dict] = None, ignore_eos: bool = False) -> list[GeneratedSample]:
+                 kv_override: Optional[dict] = None, ignore_eos: bool = False,
+                 prompt_offset: int = 0) -> list[GeneratedSample]:
         """``n_samples`` responses per prompt, groups contiguous (prompt-major order).
 
         All samples of a prompt are sent in one call so the group's shared prompt is prefilled once
         and then served from the radix cache. ``kv_override`` (e.g. ``{"policy": "rkv", "budget": 64}``
         or ``{"policy": "none"}``) replaces the engine's KV settings for these requests; the engine must
-        have been started with ``allow_request_override``."""
+        have been started with ``allow_request_override``. Sample ``s`` of prompt ``i`` is sampled with
+        seed ``seed + (prompt_offset + i) * n_samples + s``: an engine given a shard of an iteration's
+        prompts (``prompt_offset`` = the shard's first prompt) draws what one engine given them all would."""
         custom = None
         if kv_override is not None:
             if not self.kv.allow_request_override:
@@ -149,7 +157,7 @@ class RolloutEngine:
                 if custom is not None:
                     sp["custom_params"] = custom
                 if seed is not None:
-                    sp["sampling_seed"] = seed + p_index * n_samples + s
+                    sp["sampling_seed"] = seed + (prompt_offset + p_index) * n_samples + s
                 params.append(sp)
         outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
         samples = []
@@ -183,14 +191,17 @@ class RolloutEngine:
             self.engine.end_weight_update()
         return self._finish_update()
 
-    def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo") -> None:
-        """Join a process group with the engine's ranks (learner side = rank 0) for broadcast updates.
-        Both sides block until everyone joined, so the engine's half runs in a helper thread."""
+    def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
+                             world_size: Optional[int] = None) -> None:
+        """Create the weight broadcast group as its member 0 (the learner's rank 0) with this engine's
+        ranks as members 1..tp; ``world_size`` > 1 + tp when other engines join too
+        (:meth:`join_weight_group`). Everyone blocks until all joined, so this engine's half runs in a
+        helper thread."""
         from concurrent.futures import ThreadPoolExecutor
 
         from sglang.srt.utils import init_custom_process_group
 
-        world_size = 1 + self.tp_size
+        world_size = world_size or 1 + self.tp_size
         # under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rank of a tcp:// rendezvous a client
         # of a store the agent hosts (only for torchrun's own group): this group's rank 0 must host it
         with _without_launcher_env(), ThreadPoolExecutor(1) as pool:
@@ -202,6 +213,50 @@ class RolloutEngine:
             ok, message = joined.result()
         if not ok:
             raise RuntimeError(f"engine could not join the weight-update group: {message}")
+
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          backend: str = "gloo") -> None:
+        """This engine's ranks join the weight group that another process's :meth:`connect_weight_group`
+        creates, as members ``rank_offset .. rank_offset + tp - 1``; blocks until everyone joined."""
+        with _without_launcher_env():
+            ok, message = self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                                WEIGHT_GROUP, backend)
+        if not ok:
+            raise RuntimeError(f"engine could not join the weight-update group: {message}")
+        self._weight_group = "joined"
+
+    def receive_weights_broadcast(self, bucket_specs: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """Receive buckets that the group's member 0 broadcasts (:meth:`update_weights_broadcast` on
+        another engine's host). ``bucket_specs`` yields each bucket's ``(name, tensor)`` with tensors of
+        the right shape and dtype (e.g. on the meta device), in the sender's order; the engine is asked
+        for each bucket in a helper thread, so the caller may go on producing (and sending) while the
+        engine waits for the broadcast."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._weight_group is None:
+            raise RuntimeError("join_weight_group() first")
+        self.engine.begin_weight_update()
+        try:
+            with ThreadPoolExecutor(1) as pool:  # one worker: requests reach the engine in order
+                pending = [pool.submit(self.engine.update_weights_from_distributed, [n for n, _ in bucket],
+                                       [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                                       [list(t.shape) for _, t in bucket], WEIGHT_GROUP, False)
+                           for bucket in bucket_specs]
+                for received in pending:
+                    ok, message = received.result()
+                    if not ok:
+                        raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")
+        finally:
+            self.engine.end_weight_update()
+        return self._finish_update()
+
+    def release_memory(self) -> None:
+        """Free the weights and KV pool for the colocated learner's training phase (GPU, memory saver)."""
+        self.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        """Take the memory back before the next weight push and rollout."""
+        self.engine.resume_memory_occupation()
 
     def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
         """Broadcast HF-named tensors bucket by bucket over the group of :meth:`connect_weight_group`

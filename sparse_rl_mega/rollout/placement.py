@@ -1,0 +1,55 @@
+"""Where the rollout engines run and which learner rank drives each one.
+
+Engines are spread evenly over the nodes (``rollout.num_engines / parallel.nnodes`` per node); an
+engine's TP group stays within its node. Every engine is driven (started, fed prompts, given
+weights) by one learner process on its node, its *host*:
+
+* ``colocated``: engine j of a node uses the node's devices ``j*tp .. j*tp+tp-1``, the same devices
+  as the learner ranks with those local ranks; its host is the first of them. On GPU the engine
+  releases its memory while the learner trains.
+* ``separate``: engine j uses devices after the learner's, ``nproc_per_node + j*tp ..``, so a node
+  needs ``nproc_per_node + engines_per_node * tp`` GPUs; its host is local rank j.
+
+Weights reach every engine from global rank 0 over one broadcast group: rank 0 is member 0, engine
+e's TP ranks are members ``1 + e*tp .. e*tp + tp`` (its ``rank_offset``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    index: int          # engine number, 0 .. num_engines-1; prompts are sharded in this order
+    node: int
+    host_rank: int      # global rank of the learner process that drives it
+    first_device: int   # local device index of its TP rank 0 (GPU id on its node)
+    tp: int
+    rank_offset: int    # its first member index in the weight broadcast group
+
+
+def engine_placements(nnodes: int, nproc_per_node: int, num_engines: int, engine_tp: int,
+                      placement: str) -> list[EnginePlacement]:
+    """One :class:`EnginePlacement` per engine (the config validation guarantees the division)."""
+    per_node = num_engines // nnodes
+    out = []
+    for index in range(num_engines):
+        node, j = divmod(index, per_node)
+        if placement == "colocated":
+            local_host, first_device = j * engine_tp, j * engine_tp
+        else:
+            local_host, first_device = j, nproc_per_node + j * engine_tp
+        out.append(EnginePlacement(index=index, node=node, host_rank=node * nproc_per_node + local_host,
+                                   first_device=first_device, tp=engine_tp, rank_offset=1 + index * engine_tp))
+    return out
+
+
+def weight_group_size(placements: list[EnginePlacement]) -> int:
+    """Members of the weight broadcast group: learner rank 0 and every engine TP rank."""
+    return 1 + sum(p.tp for p in placements)
+
+
+def prompt_shard(num_prompts: int, num_engines: int, index: int) -> range:
+    """The prompts of an iteration that engine ``index`` samples (contiguous, equal shares)."""
+    share = num_prompts // num_engines
+    return range(index * share, (index + 1) * share)

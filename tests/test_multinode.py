@@ -1,0 +1,84 @@
+"""Two "nodes" on this machine: two torchrun invocations (one process each) joined by a c10d
+rendezvous on loopback, CPU, gloo. Each node hosts one SGLang engine; the iteration's prompts are
+sharded over the two engines, the samples gathered back, and rank 0 broadcasts the new weights to
+both engines over one group.
+
+* colocated, learner PP2 across the nodes: the rank hosting engine 1 is also the last pipeline stage,
+  so it sends its weight pieces to rank 0 while its engine receives the broadcast;
+* separate, learner DP2: each data-parallel rank trains on half of the prompts, every group whole
+  (the trainer checks the split and the coverage every iteration and fails otherwise).
+
+The first rollout of a run depends only on the initial weights and the seeds, which follow the
+prompt, not the engine: it equals the single-engine run's (the shared ``e2e_run``, same settings).
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from sparse_rl_mega.tracking import default_tracking_uri
+from tests.conftest import ROOT, write_test_config
+from tools.launch import free_port
+
+ITERATIONS = 2
+
+
+def _two_nodes(config, overrides, timeout=600):
+    port = free_port()
+    procs = []
+    for node in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
+                   str(ROOT / "tools" / "launch.py"), str(config), *[f"--set={o}" for o in overrides]]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    outputs = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                os.killpg(other.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            err += f"\n[test] killed after {timeout} s"
+        outputs.append((proc.returncode, out, err))
+    return outputs
+
+
+def _history(run_dir, key):
+    client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir))
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e-test").experiment_id])
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_test_config(tmp_path / "two_nodes.yaml", tiny_model_dir, run_dir)
+    learner = (["parallel.pipeline_model_parallel_size=2"] if placement == "colocated"
+               else ["parallel.pipeline_model_parallel_size=1"])
+    overrides = ["parallel.nnodes=2", "parallel.nproc_per_node=1", *learner, "rollout.num_engines=2",
+                 f"rollout.placement={placement}", "trainer.sync_method=broadcast", f"trainer.iterations={ITERATIONS}",
+                 "checkpoint.save_interval=0"]
+    outputs = _two_nodes(config, overrides)
+    for code, out, err in outputs:
+        assert code == 0, out[-3000:] + err[-5000:]
+    head_out = outputs[0][1] + outputs[1][1]
+    assert f"[iter {ITERATIONS}/{ITERATIONS}]" in head_out
+    assert "weight broadcast group of 3 members" in head_out
+
+    assert _history(run_dir, "rollout/engines") == {0: 2.0, 1: 2.0}
+    # after every push both engines serve the learner's weights (the largest difference of the two)
+    assert all(v < 1e-4 for v in _history(run_dir, "sync/max_abs_logprob_diff").values())
+    assert _history(run_dir, "sync/weight_version") == {0: 1.0, 1: 2.0}
+    dp_share = 4 if placement == "colocated" else 2  # 4 prompts per iteration over DP 1 or DP 2
+    assert set(_history(run_dir, "rollout/prompts_per_dp_rank").values()) == {dp_share}
+
+    # the first rollout, sharded over two engines, equals the single engine's
+    single_dir, single = e2e_run
+    assert single.returncode == 0
+    for key in ("reward/mean", "rollout/response_len_mean", "kv/evicted_tokens"):
+        assert _history(run_dir, key)[0] == _history(single_dir, key)[0], key

@@ -87,7 +87,9 @@ class ModelConfig:
     # Learner layer implementation: "local" (pure torch, CPU and GPU) or "transformer_engine" (GPU).
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     fp8: Optional[Literal["e4m3", "hybrid"]] = None
-    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8"] = "delayed"
+    # delayed / tensorwise (current) scaling on Hopper; mxfp8 on Blackwell; blockwise (Hopper, TE >= 2.3)
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    fp8_param: bool = False  # keep the weights themselves in FP8 (Transformer Engine)
 
 
 @dataclass
@@ -98,6 +100,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # activation recomputation: "selective" recomputes core attention in the backward pass, "full"
+    # every transformer layer (uniform, one layer per checkpoint); trades compute for activation memory
+    recompute: Literal["none", "selective", "full"] = "none"
 
 
 @dataclass
@@ -602,6 +607,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         _require(m.transformer_impl == "transformer_engine", source, "model.fp8",
                  "FP8 needs model.transformer_impl: transformer_engine")
         _require(m.dtype == "bfloat16", source, "model.fp8", "FP8 training keeps bfloat16 params: set model.dtype")
+    _require(not m.fp8_param or m.fp8 is not None, source, "model.fp8_param", "needs model.fp8")
     _check_against_hf_config(cfg, source)
 
 

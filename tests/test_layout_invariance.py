@@ -15,9 +15,11 @@ from tests.conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "tests" / "helpers" / "grad_check.py"
-# name: (processes, TP, PP, micro-batch size); "reference" is one process, one micro-batch of 8
-LAYOUTS = {"reference": (1, 1, 1, 8), "4 micro-batches": (1, 1, 1, 2), "DP2": (2, 1, 1, 2),
-           "TP2": (2, 2, 1, 2), "PP2": (2, 1, 2, 2)}
+# name: (processes, TP, PP, micro-batch size, activation recomputation); "reference" is one process,
+# one micro-batch of 8
+LAYOUTS = {"reference": (1, 1, 1, 8, "none"), "4 micro-batches": (1, 1, 1, 2, "none"), "DP2": (2, 1, 1, 2, "none"),
+           "TP2": (2, 2, 1, 2, "none"), "PP2": (2, 1, 2, 2, "none"), "TP2 selective recompute": (2, 2, 1, 2, "selective"),
+           "PP2 full recompute": (2, 1, 2, 2, "full")}
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 TOLERANCE = {"float64": 1e-12, "float32": 5e-6}  # max |grad diff| / max |grad|
 
@@ -26,9 +28,9 @@ TOLERANCE = {"float64": 1e-12, "float32": 5e-6}  # max |grad diff| / max |grad|
 def gradients(tiny_model_dir, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("grads")
     results = {}
-    for name, (procs, tp, pp, mbs) in LAYOUTS.items():
+    for name, (procs, tp, pp, mbs, recompute) in LAYOUTS.items():
         out = out_dir / f"{name.replace(' ', '_')}.pt"
-        proc = run_torchrun(HELPER, tiny_model_dir, tp, pp, mbs, out, nproc=procs)
+        proc = run_torchrun(HELPER, tiny_model_dir, tp, pp, mbs, out, recompute, nproc=procs)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
         results[name] = torch.load(out)
     return results

@@ -9,7 +9,9 @@ answers a concrete failure of megatron-core 0.16 on a CPU-only torch build:
 * a TorchFunctionMode maps ``device="cuda"`` to CPU and makes ``.cuda()``/``.pin_memory()`` no-ops
   (hard-coded ``device="cuda"`` in schedules, optimizer and masks), and reports ``torch.cuda.*``
   tensor types (grad clipping and optimizers assert on them);
-* a CPU RNG tracker replaces ``model_parallel_cuda_manual_seed`` (it reads CUDA RNG state).
+* a CPU RNG tracker replaces ``model_parallel_cuda_manual_seed`` (it reads CUDA RNG state), and the
+  CUDA RNG state that activation recomputation saves and restores is an empty placeholder (and the
+  recomputed attention's causal mask is built on the CPU).
 """
 from __future__ import annotations
 
@@ -89,6 +91,15 @@ def seed_model_parallel_rng(seed: int) -> None:
                 self.states_[name] = torch.get_rng_state()
                 torch.set_rng_state(outer)
 
+    # activation recomputation saves and restores "the CUDA RNG state" around each checkpointed part;
+    # on CPU all randomness is the CPU generator, which Megatron saves beside it anyway
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    # recomputed attention builds its causal mask with a hard-coded device="cuda" inside the backward
+    # pass, where the TorchFunctionMode above is not active
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom.model_parallel_cuda_manual_seed(seed)

@@ -41,7 +41,11 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
     if m.fp8 is not None:
-        kwargs.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe)
+        kwargs.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_param=m.fp8_param)
+    if p.recompute == "selective":  # core attention (the s x s scores) recomputed in the backward pass
+        kwargs.update(recompute_granularity="selective")
+    elif p.recompute == "full":  # every layer's input kept, the layer recomputed
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return kwargs
 
 

@@ -14,10 +14,10 @@ import torch.distributed as dist  # noqa: E402
 
 
 def start(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, micro_batch: int,
-          algorithm: dict | None = None):
+          algorithm: dict | None = None, parallel: dict | None = None):
     """Initialise this rank and return the validated run config."""
     init_parallel(tp, pp)
-    return run_config(model_dir, tp, pp, group_size, global_batch, micro_batch, algorithm)
+    return run_config(model_dir, tp, pp, group_size, global_batch, micro_batch, algorithm, parallel)
 
 
 def init_parallel(tp: int, pp: int) -> None:
@@ -31,14 +31,14 @@ def init_parallel(tp: int, pp: int) -> None:
 
 
 def run_config(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, micro_batch: int,
-               algorithm: dict | None = None):
+               algorithm: dict | None = None, parallel: dict | None = None):
     """The validated run config for an HF model folder (its arch read from config.json)."""
     from sparse_rl_mega.config import arch_from_hf_config, config_from_dict
 
     return config_from_dict({
         "model": {"path": model_dir, "arch": arch_from_hf_config(model_dir)},
         "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": tp,
-                     "pipeline_model_parallel_size": pp},
+                     "pipeline_model_parallel_size": pp, **(parallel or {})},
         "rollout": {"n_samples_per_prompt": group_size},
         "data": {"train_path": "unused.jsonl", "prompts_per_iteration": global_batch // group_size},
         "algorithm": algorithm or {},

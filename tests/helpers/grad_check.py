@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_layout_invariance.py: the full corrected loss's gradient of one
 fixed global batch at a given TP/PP/DP layout and micro-batch size, saved in HF names by rank 0.
 
-    torchrun --nproc-per-node W tests/helpers/grad_check.py MODEL_DIR TP PP MICRO_BATCH OUT.pt
+    torchrun --nproc-per-node W tests/helpers/grad_check.py MODEL_DIR TP PP MICRO_BATCH OUT.pt [RECOMPUTE]
 
 Every rank builds the same global batch (8 sequences, 2 GRPO groups) with fixed synthetic sampler,
 reference and anchor logprobs around the model's own dense logprobs, so PPO clipping, dual clipping,
@@ -35,7 +35,9 @@ def synthetic_batch(vocab: int):
 
 def main() -> None:
     model_dir, tp, pp, mbs, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    cfg = start(model_dir, tp, pp, GROUP, N, mbs, {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01})
+    recompute = sys.argv[6] if len(sys.argv) > 6 else "none"
+    cfg = start(model_dir, tp, pp, GROUP, N, mbs, {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01},
+                {"recompute": recompute})
     from megatron.core import parallel_state as ps
 
     from sparse_rl_mega.algo.advantages import grpo_advantages

@@ -1,0 +1,49 @@
+"""The learner settings of the GPU examples, checked on CPU without Transformer Engine: the Megatron
+``TransformerConfig`` built for the 70B example (FP8 fields, bf16, sequence parallel, recompute) and
+the layer spec chosen (Transformer Engine's, requested but not built here)."""
+import sys
+
+import pytest
+
+from sparse_rl_mega.config import load_config
+from tests.conftest import ROOT
+
+
+def test_70b_transformer_config_without_importing_te():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sparse_rl_mega.learner.model import transformer_config_kwargs
+
+    cfg = load_config(ROOT / "examples" / "70b_math.yaml", ["parallel.recompute=selective", "model.fp8_recipe=mxfp8"])
+    config = TransformerConfig(**transformer_config_kwargs(cfg))
+    assert (config.fp8, config.fp8_recipe, config.fp8_param) == ("hybrid", "mxfp8", False)
+    assert config.bf16 and str(config.params_dtype) == "torch.bfloat16"
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (8, 4)
+    assert config.sequence_parallel and config.recompute_granularity == "selective"
+    assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == (80, 8192, 8, 128)
+    assert "transformer_engine" not in sys.modules
+
+
+def test_te_layer_spec_is_requested_for_transformer_engine(monkeypatch):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from sparse_rl_mega.learner.model import layer_spec
+
+    calls = []
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
+                        lambda **kwargs: calls.append(("te", kwargs)) or "te-spec")
+    cfg = load_config(ROOT / "examples" / "qwen2.5_7b_math.yaml")
+    assert layer_spec(cfg) == "te-spec" and calls == [("te", {"qk_layernorm": False})]
+    local = load_config(ROOT / "examples" / "qwen2.5_7b_math.yaml", ["model.transformer_impl=local"])
+    assert layer_spec(local) != "te-spec" and len(calls) == 1
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("model.fp8_param=true", "model.fp8_param: needs model.fp8"),
+    ("parallel.recompute=everything", "parallel.recompute"),
+])
+def test_scale_settings_are_validated(edit, message):
+    from sparse_rl_mega.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(ROOT / "examples" / "qwen2.5_1.5b_math.yaml", [edit, "model.fp8=null"] if "fp8" in edit else [edit])

@@ -325,8 +325,8 @@ class Compressor:
         layer in one batched pass. ``members``: ``(row, cached length)``."""
         pool, req_to_token = self.kv_pool, self.req_to_token
         rows = [row for row, _ in members]
-        lengths = torch.tensor([cached for _, cached in members])
-        counts = torch.tensor([self.rows.pending[row] for row in rows])
+        lengths = torch.tensor([cached for _, cached in members], device=req_to_token.device)
+        counts = torch.tensor([self.rows.pending[row] for row in rows], device=req_to_token.device)
         width = int(lengths.max())
         slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
         layers = range(pool.start_layer, pool.start_layer + pool.layer_num)

@@ -48,8 +48,8 @@ def window_attention(keys: torch.Tensor, window_queries: torch.Tensor) -> torch.
     group = q_heads // kv_heads
     k = keys.float().repeat_interleave(group, dim=0)  # [q_heads, length, d]
     logits = window_queries.float() @ k.transpose(1, 2) * head_dim ** -0.5  # [q_heads, w, length]
-    key_pos = torch.arange(length)
-    query_pos = torch.arange(length - window, length).unsqueeze(1)
+    key_pos = torch.arange(length, device=keys.device)
+    query_pos = torch.arange(length - window, length, device=keys.device).unsqueeze(1)
     logits = logits.masked_fill(key_pos.unsqueeze(0) > query_pos, float("-inf"))
     return logits.softmax(dim=-1)
 
@@ -106,7 +106,7 @@ class EvictionPolicy:
         self.check_budget(budget)
         layers, kv_heads, n, head_dim = keys.shape
         if n <= budget:
-            kept = torch.arange(n)
+            kept = torch.arange(n, device=keys.device)
             return kept.expand(layers, kv_heads, n).clone() if self.per_head else kept.expand(layers, n).clone()
         flat_queries = None if window_queries is None else window_queries.reshape(-1, *window_queries.shape[2:])
         flat_accumulated = None if accumulated is None else accumulated.reshape(-1, n)
@@ -117,8 +117,9 @@ class EvictionPolicy:
             scores = scores.sum(dim=1)  # [layers, middle]
         free = budget - self.sink - self.window
         top = scores.argsort(dim=-1, descending=True, stable=True)[..., :free]
-        forced = torch.cat([torch.arange(self.sink), torch.arange(n - self.window, n)])
-        middle = torch.arange(self.sink, n - self.window)
+        on = keys.device
+        forced = torch.cat([torch.arange(self.sink, device=on), torch.arange(n - self.window, n, device=on)])
+        middle = torch.arange(self.sink, n - self.window, device=on)
         kept = torch.cat([forced.expand(*top.shape[:-1], -1), middle[top]], dim=-1)
         return kept.sort(dim=-1).values
 
@@ -187,8 +188,8 @@ class RKVPolicy(EvictionPolicy):
         unit = F.normalize(keys.float(), dim=-1)
         sim = unit @ unit.transpose(1, 2)  # [kv_heads, length, length]
         length = keys.shape[1]
-        sim = sim * (1.0 - torch.eye(length))
-        later = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+        sim = sim * (1.0 - torch.eye(length, device=keys.device))
+        later = torch.triu(torch.ones(length, length, dtype=torch.bool, device=keys.device), diagonal=1)
         has_later_duplicate = ((sim > self.similarity_threshold) & later).any(dim=-1)  # [kv_heads, length]
         sim = sim * has_later_duplicate.unsqueeze(-1)
         return (sim.sum(dim=-1) / max(length - 1, 1)).softmax(dim=-1)
@@ -241,7 +242,7 @@ def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: floa
     k = keys.float().repeat_interleave(group, dim=-3)  # [..., q_heads, length, d]
     logits = (k @ query.float().unsqueeze(-1)).squeeze(-1) * scaling  # [..., q_heads, length]
     if lengths is not None:
-        beyond = torch.arange(length) >= lengths.unsqueeze(-1)  # [n, length]
+        beyond = torch.arange(length, device=keys.device) >= lengths.unsqueeze(-1)  # [n, length]
         logits = logits.masked_fill(beyond.unsqueeze(-2), float("-inf"))
     probs = logits.softmax(dim=-1)
     return probs.unflatten(-2, (kv_heads, group)).sum(dim=-2)
@@ -262,9 +263,10 @@ def window_attention_mass(keys: torch.Tensor, queries: torch.Tensor, scaling: fl
     group = q_heads // kv_heads
     q = queries.float().reshape(n, kv_heads, group * w, head_dim)  # query head h serves KV head h // group
     logits = (q @ keys.float().transpose(-1, -2) * scaling).view(n, kv_heads, group, w, width)
-    query_pos = lengths.unsqueeze(1) - w + torch.arange(w)  # [n, w]
-    visible = torch.arange(width) <= query_pos.unsqueeze(-1)  # [n, w, L]; also hides keys past a length
-    real = torch.arange(w) >= (w - counts).unsqueeze(1)  # [n, w]
+    on = keys.device
+    query_pos = lengths.unsqueeze(1) - w + torch.arange(w, device=on)  # [n, w]
+    visible = torch.arange(width, device=on) <= query_pos.unsqueeze(-1)  # [n, w, L]; also hides keys past a length
+    real = torch.arange(w, device=on) >= (w - counts).unsqueeze(1)  # [n, w]
     visible &= real.unsqueeze(-1)
     visible[..., 0] |= ~real  # padding queries see one key (no NaN); their rows are zeroed below
     probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)

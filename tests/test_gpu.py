@@ -1,0 +1,88 @@
+"""The GPU subset (run by tools/gpu_check.sh on a machine with an NVIDIA GPU; skipped elsewhere).
+
+* eviction scoring and the batched attention mass on CUDA tensors choose exactly what they choose
+  on the CPU (the engine patch calls them with the KV pool's device tensors);
+* the correction on CUDA equals the CPU's;
+* the Megatron learner with Transformer Engine layers (bf16, and FP8 where the GPU supports it)
+  against the local spec and transformers (tests/helpers/gpu_learner_check.py);
+* the SGLang engine on the GPU with StreamingLLM eviction against the pure-torch reference decoder.
+"""
+import os
+
+import pytest
+import torch
+
+from sparse_rl_mega.kv import build_policy
+from sparse_rl_mega.kv.policies import window_attention_mass
+from tests.conftest import ROOT, run_torchrun
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (tools/gpu_check.sh)")
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("name, per_head", [("snapkv", False), ("snapkv", True),
+                                            ("rkv", False), ("rkv", True), ("h2o", False)])
+def test_policies_choose_the_same_tokens_on_cuda(name, per_head):
+    g = torch.Generator().manual_seed(0)
+    layers, kv_heads, q_heads, length, dim, window = 3, 2, 4, 40, 16, 4
+    keys = torch.randn(layers, kv_heads, length, dim, generator=g)
+    queries = torch.randn(layers, q_heads, window, dim, generator=g)
+    mass = torch.rand(layers, kv_heads, length, generator=g)
+    params = {"kernel": 3} if name in ("snapkv", "rkv") else {}
+    policy = build_policy(name, sink=2, window=window, per_head=per_head, **params)
+    cpu = policy.select_layers(keys, queries, 16, mass if name == "h2o" else None)
+    gpu = policy.select_layers(keys.to(CUDA), queries.to(CUDA), 16, mass.to(CUDA) if name == "h2o" else None)
+    assert gpu.device.type == "cuda" and torch.equal(cpu, gpu.cpu())
+
+
+def test_window_attention_mass_on_cuda():
+    g = torch.Generator().manual_seed(1)
+    keys, queries = torch.randn(3, 2, 30, 16, generator=g), torch.randn(3, 4, 4, 16, generator=g)
+    lengths, counts = torch.tensor([30, 22, 17]), torch.tensor([4, 2, 3])
+    cpu = window_attention_mass(keys, queries, 0.25, lengths, counts)
+    gpu = window_attention_mass(keys.to(CUDA), queries.to(CUDA), 0.25, lengths.to(CUDA), counts.to(CUDA))
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_correction_on_cuda_equals_cpu():
+    from sparse_rl_mega.algo.correction import compute_correction
+
+    g = torch.Generator().manual_seed(2)
+    logp_old = -torch.rand(8, 20, generator=g, dtype=torch.float64) * 3
+    logp_sparse = logp_old + 0.5 * torch.randn(8, 20, generator=g, dtype=torch.float64)
+    mask = (torch.rand(8, 20, generator=g) > 0.2).double()
+    w_cpu, keep_cpu, m_cpu = compute_correction(logp_old, logp_sparse, mask, "sparse_rl")
+    w_gpu, keep_gpu, m_gpu = compute_correction(logp_old.to(CUDA), logp_sparse.to(CUDA), mask.to(CUDA), "sparse_rl")
+    torch.testing.assert_close(w_gpu.cpu(), w_cpu)
+    assert torch.equal(keep_gpu.cpu(), keep_cpu)
+    assert m_gpu.keys() == m_cpu.keys()
+
+
+def test_learner_with_transformer_engine(tiny_model_dir, tmp_path):
+    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_learner_check.py", tiny_model_dir, tmp_path / "report.txt",
+                        nproc=1, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    print((tmp_path / "report.txt").read_text())
+
+
+def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model):
+    pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "0"
+    settings = EngineKVSettings(policy="streaming", budget=12, sink=2, window=4, interval=2)
+    engine = RolloutEngine(str(tiny_model_dir), settings, seed=0, max_total_tokens=4096, max_running_requests=16,
+                           attention_backend="torch_native")
+    try:
+        samples = engine.generate([[5, 6, 7, 8, 9, 10]], n_samples=2, max_new_tokens=24, seed=3)
+    finally:
+        engine.shutdown()
+    ref = ReferenceDecoder(hf_model)
+    policy = build_policy("streaming", sink=2, window=4)
+    for s in samples:
+        logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, policy, 12, 2)
+        assert evicted > 0
+        assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < 2e-3  # float32 GPU kernels vs CPU reference

@@ -522,6 +522,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              f"world size nnodes*nproc_per_node={cfg.world_size} is not divisible by TP*PP={tp * pp}")
     _require(not p.sequence_parallel or tp > 1, source, "parallel.sequence_parallel",
              "needs tensor_model_parallel_size > 1")
+    _require(not p.sequence_parallel or cfg.model.transformer_impl == "transformer_engine", source,
+             "parallel.sequence_parallel", "needs model.transformer_impl: transformer_engine (the local layer spec's "
+             "torch norms do not support sequence parallelism)")
     _require(r.engine_tensor_parallel_size <= p.nproc_per_node or r.placement == "separate", source,
              "rollout.engine_tensor_parallel_size",
              f"{r.engine_tensor_parallel_size} exceeds the devices of one node (parallel.nproc_per_node="

@@ -6,6 +6,7 @@ at several layouts; every gradient is gathered in HF names and compared with the
 single-micro-batch reference, for the three loss aggregations. In float64 the layouts must agree to
 rounding (the algorithm is exact); in float32 they may differ only by summation order.
 """
+import json
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ from tests.conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "tests" / "helpers" / "grad_check.py"
-# name: (processes, TP, PP, micro-batch size, activation recomputation); "reference" is one process,
+# name: (processes, TP, PP, micro-batch size, more parallel settings); "reference" is one process,
 # one micro-batch of 8
-LAYOUTS = {"reference": (1, 1, 1, 8, "none"), "4 micro-batches": (1, 1, 1, 2, "none"), "DP2": (2, 1, 1, 2, "none"),
-           "TP2": (2, 2, 1, 2, "none"), "PP2": (2, 1, 2, 2, "none"), "TP2 selective recompute": (2, 2, 1, 2, "selective"),
-           "PP2 full recompute": (2, 1, 2, 2, "full")}
+LAYOUTS = {"reference": (1, 1, 1, 8, {}), "4 micro-batches": (1, 1, 1, 2, {}), "DP2": (2, 1, 1, 2, {}),
+           "TP2": (2, 2, 1, 2, {}), "PP2": (2, 1, 2, 2, {}),
+           "TP2 selective recompute": (2, 2, 1, 2, {"recompute": "selective"}),
+           "PP2 full recompute": (2, 1, 2, 2, {"recompute": "full"})}
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 TOLERANCE = {"float64": 1e-12, "float32": 5e-6}  # max |grad diff| / max |grad|
 
@@ -28,9 +30,9 @@ TOLERANCE = {"float64": 1e-12, "float32": 5e-6}  # max |grad diff| / max |grad|
 def gradients(tiny_model_dir, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("grads")
     results = {}
-    for name, (procs, tp, pp, mbs, recompute) in LAYOUTS.items():
+    for name, (procs, tp, pp, mbs, parallel) in LAYOUTS.items():
         out = out_dir / f"{name.replace(' ', '_')}.pt"
-        proc = run_torchrun(HELPER, tiny_model_dir, tp, pp, mbs, out, recompute, nproc=procs)
+        proc = run_torchrun(HELPER, tiny_model_dir, tp, pp, mbs, out, json.dumps(parallel), nproc=procs)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
         results[name] = torch.load(out)
     return results

@@ -1,12 +1,15 @@
 """Run under torchrun by tests/test_layout_invariance.py: the full corrected loss's gradient of one
 fixed global batch at a given TP/PP/DP layout and micro-batch size, saved in HF names by rank 0.
 
-    torchrun --nproc-per-node W tests/helpers/grad_check.py MODEL_DIR TP PP MICRO_BATCH OUT.pt [RECOMPUTE]
+    torchrun --nproc-per-node W tests/helpers/grad_check.py MODEL_DIR TP PP MICRO_BATCH OUT.pt [PARALLEL_JSON]
+
+PARALLEL_JSON: more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"sequence_parallel": true}``.
 
 Every rank builds the same global batch (8 sequences, 2 GRPO groups) with fixed synthetic sampler,
 reference and anchor logprobs around the model's own dense logprobs, so PPO clipping, dual clipping,
 the veto, token rejection, IS truncation, the KL and entropy terms are all active.
 """
+import json
 import sys
 
 from common import start  # (first: CPU shims before Megatron)
@@ -35,9 +38,8 @@ def synthetic_batch(vocab: int):
 
 def main() -> None:
     model_dir, tp, pp, mbs, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    recompute = sys.argv[6] if len(sys.argv) > 6 else "none"
-    cfg = start(model_dir, tp, pp, GROUP, N, mbs, {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01},
-                {"recompute": recompute})
+    parallel = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    cfg = start(model_dir, tp, pp, GROUP, N, mbs, {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01}, parallel)
     from megatron.core import parallel_state as ps
 
     from sparse_rl_mega.algo.advantages import grpo_advantages

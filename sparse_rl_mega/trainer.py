@@ -376,13 +376,13 @@ class Trainer:
         check = probe_ids is not None
         learner_logp = self.probe_logprobs(probe_ids) if check else None  # every rank takes part
         host = self.engine is not None
+        if host and self.engine_released:  # a colocated GPU engine takes its memory back first
+            self.engine.resume_memory()
+            self.engine_released = False
         if check:
             before = self.engine.dense_logprobs(probe_ids) if host else None
             metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(
                 _max_abs_diff(before, learner_logp) if host else None)
-        if host and self.engine_released:
-            self.engine.resume_memory()
-            self.engine_released = False
         with timer.phase("sync"):
             dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
             bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)

@@ -205,9 +205,17 @@ def learner_memory(cfg: RunConfig, prompt_tokens: int, stage: int) -> LearnerMem
     micro_batches = t.global_batch_size // (cfg.data_parallel_size * t.micro_batch_size)
     # 1F1B: stage k holds the activations of up to pp - k micro-batches before its first backward
     in_flight = min(pp - stage, micro_batches)
+    # selective recomputation keeps no attention scores (as fused attention); full keeps each layer's
+    # input and rebuilds one layer at a time in the backward pass
     per_layer = layer_activation_bytes(a, seq, t.micro_batch_size, tp, p.sequence_parallel,
-                                       m.transformer_impl == "transformer_engine", dtype_bytes)
-    activations = in_flight * (a.num_layers // pp) * per_layer
+                                       m.transformer_impl == "transformer_engine" or p.recompute != "none",
+                                       dtype_bytes)
+    layers = a.num_layers // pp
+    if p.recompute == "full":
+        layer_input = seq * t.micro_batch_size * a.hidden_size * dtype_bytes // (tp if p.sequence_parallel else 1)
+        activations = in_flight * layers * layer_input + per_layer
+    else:
+        activations = in_flight * layers * per_layer
     if stage == pp - 1:  # float32 logits of this rank's vocabulary slice and the loss's copies of them
         activations += LOGIT_COPIES * seq * t.micro_batch_size * (a.vocab_size // tp) * 4
     return LearnerMemory(stage=stage, params=n, param_bytes=n * dtype_bytes, grad_bytes=n * GRAD_BYTES,
@@ -293,9 +301,10 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
     adam = "fp32 master + exp_avg + exp_avg_sq" if m.dtype == "bfloat16" else "exp_avg + exp_avg_sq"
     if p.use_distributed_optimizer:
         adam += f", divided over DP {dp} (distributed optimizer)"
-    fused = m.transformer_impl == "transformer_engine"
+    fused = m.transformer_impl == "transformer_engine" or p.recompute != "none"
     activations = (f"estimate: Korthikanti et al. per layer, {'SP' if p.sequence_parallel else 'no SP'}, "
-                   f"{'fused attention, no s x s scores' if fused else 'with s x s scores'}; "
+                   f"{'fused attention, no s x s scores' if fused else 'with s x s scores'}"
+                   f"{'' if p.recompute == 'none' else f', {p.recompute} recomputation'}; "
                    f"{lm.micro_batches_in_flight} micro-batch(es) of {cfg.trainer.micro_batch_size} x {lm.seq_len} "
                    f"tokens in flight{' + fp32 logits' if lm.stage == pp - 1 else ''}")
     replicated = ", KV heads replicated" if em.tp > m.arch.num_query_groups else ""

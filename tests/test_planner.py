@@ -162,3 +162,16 @@ def test_plan_says_an_impossible_layout_does_not_fit():
     plan = plan_memory(cfg, 80.0)
     assert not plan.fits and any(p.startswith("engine weights") for p in plan.problems)
     assert plan.engine.weight_bytes == 2 * total_params(cfg.model.arch)
+
+
+
+def test_recomputation_lowers_the_activation_estimate():
+    """Selective recomputation keeps no attention scores; full keeps only each layer's input."""
+    from sparse_rl_mega.planner import learner_memory
+
+    def stage0(mode):
+        cfg = load_config(EXAMPLE_70B, ["model.transformer_impl=local", "parallel.sequence_parallel=false",
+                                        "model.fp8=null", f"parallel.recompute={mode}"])
+        return learner_memory(cfg, 512, 0).activation_bytes
+
+    assert stage0("full") < stage0("selective") < stage0("none")

@@ -238,14 +238,9 @@ class RolloutEngine:
         self.engine.begin_weight_update()
         try:
             with ThreadPoolExecutor(1) as pool:  # one worker: requests reach the engine in order
-                pending = [pool.submit(self.engine.update_weights_from_distributed, [n for n, _ in bucket],
-                                       [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                                       [list(t.shape) for _, t in bucket], WEIGHT_GROUP, False)
-                           for bucket in bucket_specs]
+                pending = [self._request_bucket(pool, bucket) for bucket in bucket_specs]
                 for received in pending:
-                    ok, message = received.result()
-                    if not ok:
-                        raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")
+                    _check_bucket(received)
         finally:
             self.engine.end_weight_update()
         return self._finish_update()
@@ -271,19 +266,19 @@ class RolloutEngine:
         try:
             with ThreadPoolExecutor(1) as pool:
                 for bucket in buckets:
-                    names = [name for name, _ in bucket]
-                    dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
-                    shapes = [list(t.shape) for _, t in bucket]
-                    received = pool.submit(self.engine.update_weights_from_distributed, names, dtypes, shapes,
-                                           WEIGHT_GROUP, False)
+                    received = self._request_bucket(pool, bucket)
                     for _, tensor in bucket:
                         dist.broadcast(tensor.contiguous(), src=0, group=self._weight_group)
-                    ok, message = received.result()
-                    if not ok:
-                        raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")
+                    _check_bucket(received)
         finally:
             self.engine.end_weight_update()
         return self._finish_update()
+
+    def _request_bucket(self, pool, bucket: list[tuple[str, torch.Tensor]]):
+        """Ask the engine (in ``pool``'s thread) to receive one bucket over the weight group."""
+        return pool.submit(self.engine.update_weights_from_distributed, [name for name, _ in bucket],
+                           [str(t.dtype).replace("torch.", "") for _, t in bucket], [list(t.shape) for _, t in bucket],
+                           WEIGHT_GROUP, False)
 
     def _finish_update(self) -> int:
         """After an update: flush the prefix cache (no KV computed with old weights is reused) and set
@@ -315,3 +310,9 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _check_bucket(received) -> None:
+    ok, message = received.result()
+    if not ok:
+        raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")

@@ -59,7 +59,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.engine = None
         self.tracker = None
-        self.scorer = None  # rank 0: the reward scorer (math: a pool of checking processes)
+        self.scorer = None  # engine hosts: the reward scorer (math: a pool of checking processes)
         self.ref_model = None
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
@@ -251,6 +251,7 @@ class Trainer:
         """Engine hosts: sample and score their shard of the iteration's prompts; everyone: the whole
         batch in prompt order (each rank then trains on its data-parallel rows)."""
         from sparse_rl_mega.batch import pack_samples
+        from sparse_rl_mega.reward.scorer import ScorerStats
         from sparse_rl_mega.rollout.placement import prompt_shard
 
         cfg = self.cfg
@@ -275,8 +276,6 @@ class Trainer:
         per_sample = [c for s in shards for c in s["compression"]]
         response_lens = [len(x.response_ids) for x in samples]
         evicted = sum(s["kv"]["evicted_tokens"] for s in shards)
-        from sparse_rl_mega.reward.scorer import ScorerStats
-
         scored = ScorerStats()
         for s in shards:
             scored.add(s["scorer"])
@@ -503,16 +502,15 @@ class Trainer:
                 probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
             metrics.update(self.sync_weights(timer, probe))
 
-            if cfg.checkpoint.save_interval and (iteration + 1) % cfg.checkpoint.save_interval == 0:
+            trained = iteration + 1
+            if cfg.checkpoint.save_interval and trained % cfg.checkpoint.save_interval == 0:
                 from sparse_rl_mega.learner.checkpoint import save_checkpoint
 
                 with timer.phase("checkpoint"):
                     extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
                              "initial_model": cfg.model.path, "config": cfg.to_dict()}
-                    save_checkpoint(self.learner, self.checkpoint_dir(), iteration + 1, cfg.checkpoint.keep_last,
-                                    extra=extra)
+                    save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra)
 
-            trained = iteration + 1
             if evaluating and ((cfg.eval.interval and trained % cfg.eval.interval == 0)
                                or trained == cfg.trainer.iterations):
                 with timer.phase("eval"):

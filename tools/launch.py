@@ -8,7 +8,7 @@
                                                          validate, print the layout and per-GPU memory
 
 The config is fully validated before any process starts work; a problem is reported as one line
-naming the key and what was expected, with exit status 2. --plan starts nothing either (no torch,
+naming the key and what was expected, with exit status 2. --plan starts nothing either (no process,
 no GPU): it prints the learner's and the engine's memory per GPU (sparse_rl_mega/planner.py) and
 exits 0 when everything fits, 3 when something does not.
 """

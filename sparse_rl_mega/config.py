@@ -103,6 +103,12 @@ class ParallelConfig:
     # activation recomputation: "selective" recomputes core attention in the backward pass, "full"
     # every transformer layer (uniform, one layer per checkpoint); trades compute for activation memory
     recompute: Literal["none", "selective", "full"] = "none"
+    # interleaved pipeline: each pipeline rank holds this many non-adjacent chunks of layers (a smaller
+    # bubble for more point-to-point traffic); the micro-batches of a step must fill the pipeline
+    virtual_pipeline_model_parallel_size: int = 1
+    # context parallelism: each sequence is split over this many ranks (load-balanced causal halves),
+    # attention exchanges keys/values between them; for long responses
+    context_parallel_size: int = 1
 
 
 @dataclass
@@ -343,7 +349,8 @@ class RunConfig:
     @property
     def data_parallel_size(self) -> int:
         p = self.parallel
-        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                   * p.context_parallel_size)
 
     @property
     def samples_per_iteration(self) -> int:
@@ -518,8 +525,17 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              f"TP={tp} must divide model.arch.vocab_size={a.vocab_size} (the embedding is split by vocabulary)")
     _require(a.num_layers % pp == 0, source, "parallel.pipeline_model_parallel_size",
              f"PP={pp} must divide model.arch.num_layers={a.num_layers}")
-    _require(cfg.world_size % (tp * pp) == 0, source, "parallel",
-             f"world size nnodes*nproc_per_node={cfg.world_size} is not divisible by TP*PP={tp * pp}")
+    vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
+    _require(vpp >= 1, source, "parallel.virtual_pipeline_model_parallel_size", f"must be >= 1, got {vpp}")
+    _require(vpp == 1 or pp > 1, source, "parallel.virtual_pipeline_model_parallel_size",
+             "virtual pipeline stages interleave the chunks of several pipeline ranks: needs "
+             "pipeline_model_parallel_size > 1")
+    _require(a.num_layers % (pp * vpp) == 0, source, "parallel.virtual_pipeline_model_parallel_size",
+             f"PP={pp} x virtual stages {vpp} must divide model.arch.num_layers={a.num_layers}")
+    _require(cp >= 1, source, "parallel.context_parallel_size", f"must be >= 1, got {cp}")
+    _require(cfg.world_size % (tp * pp * cp) == 0, source, "parallel",
+             f"world size nnodes*nproc_per_node={cfg.world_size} is not divisible by "
+             f"TP*PP*CP={tp}*{pp}*{cp}={tp * pp * cp}")
     _require(not p.sequence_parallel or tp > 1, source, "parallel.sequence_parallel",
              "needs tensor_model_parallel_size > 1")
     _require(not p.sequence_parallel or cfg.model.transformer_impl == "transformer_engine", source,
@@ -595,6 +611,13 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(t.global_batch_size % (dp * t.micro_batch_size) == 0, source, "trainer.global_batch_size",
              f"{t.global_batch_size} must be divisible by data-parallel size x micro_batch_size = "
              f"{dp} x {t.micro_batch_size}")
+    if p.virtual_pipeline_model_parallel_size > 1 and t.global_batch_size % (dp * t.micro_batch_size) == 0:
+        steps_mbs = t.global_batch_size // (dp * t.micro_batch_size)
+        pp = p.pipeline_model_parallel_size
+        _require(steps_mbs % pp == 0, source, "trainer.micro_batch_size",
+                 f"the interleaved pipeline (virtual_pipeline_model_parallel_size > 1) runs micro-batches in "
+                 f"groups of PP={pp}: a step's {steps_mbs} micro-batches per data-parallel rank "
+                 f"(global_batch_size / (DP x micro_batch_size)) must be a multiple of {pp}")
     _require((t.global_batch_size // dp) % r.n_samples_per_prompt == 0, source, "trainer.global_batch_size",
              f"each data-parallel rank's share ({t.global_batch_size // dp}) must hold whole GRPO groups of "
              f"rollout.n_samples_per_prompt={r.n_samples_per_prompt}")

@@ -77,8 +77,11 @@ class Trainer:
 
         cfg = self.cfg
         p = cfg.parallel
+        vpp = p.virtual_pipeline_model_parallel_size
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                                     pipeline_model_parallel_size=p.pipeline_model_parallel_size)
+                                     pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                     context_parallel_size=p.context_parallel_size)
         seed_model_parallel_rng(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
         self.dp_group = ps.get_data_parallel_group()
@@ -90,14 +93,15 @@ class Trainer:
             ensure_model(cfg)
         dist.barrier()
         self.learner = build_learner(cfg)
-        load_hf_into_model(self.learner.module, cfg.model.path, cfg.model.arch)
+        load_hf_into_model(self.learner.modules, cfg.model.path, cfg.model.arch)
         if cfg.algorithm.kl_coef > 0:  # frozen reference policy = the initial weights
             from sparse_rl_mega.learner.model import build_reference_model
 
             self.ref_model = build_reference_model(cfg)
             load_hf_into_model(self.ref_model, cfg.model.path, cfg.model.arch)
-        log(f"[setup] learner TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-            f"DP={self.dp_size}; weights loaded from {cfg.model.path}")
+        virtual = f"x{vpp} virtual" if vpp > 1 else ""
+        log(f"[setup] learner TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size}{virtual} "
+            f"CP={p.context_parallel_size} DP={self.dp_size}; weights loaded from {cfg.model.path}")
         self.maybe_resume()
 
         self.start_engines()
@@ -386,7 +390,7 @@ class Trainer:
             dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
             bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
             # engine hosts other than rank 0 plan the same buckets from the tensors' shapes and receive them
-            stream = stream_hf_tensors(self.learner.module, cfg.model.arch, specs_elsewhere=host)
+            stream = stream_hf_tensors(self.learner.modules, cfg.model.arch, specs_elsewhere=host)
             if self.rank == 0:
                 sent: list[int] = []  # bytes of each tensor pushed, for the metrics
 
@@ -438,7 +442,7 @@ class Trainer:
         one = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(1, ids.shape[1] - 1),
                            logp_sparse=torch.zeros(1, ids.shape[1] - 1), rewards=torch.zeros(1),
                            group_ids=torch.zeros(1, dtype=torch.long))
-        return forward_logprobs(self.learner.model, one, 1)[0].tolist()
+        return forward_logprobs(self.learner.chunks, one, 1)[0].tolist()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -467,7 +471,7 @@ class Trainer:
                 if correction.old_policy == "sampler":  # bypass: the sampler is the PPO anchor
                     local.logp_old = local.logp_sparse.clone()
                 else:
-                    local.logp_old = forward_logprobs(self.learner.model, local, mbs)
+                    local.logp_old = forward_logprobs(self.learner.chunks, local, mbs)
                 if self.ref_model is not None:
                     local.logp_ref = forward_logprobs(self.ref_model, local, mbs)
 

@@ -71,7 +71,7 @@ def bench(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     try:
         trainer.setup()
-        module, arch = trainer.learner.module, cfg.model.arch
+        module, arch = trainer.learner.modules, cfg.model.arch
 
         def gather_only():
             total = 0

@@ -99,7 +99,8 @@ def export_config(saved: dict, model_dir: Path, nproc: int, tp: int, pp: int, so
     raw = copy.deepcopy(saved)
     raw["model"]["path"] = str(model_dir)
     raw["parallel"].update(nnodes=1, nproc_per_node=nproc, tensor_model_parallel_size=tp,
-                           pipeline_model_parallel_size=pp, sequence_parallel=False)
+                           pipeline_model_parallel_size=pp, sequence_parallel=False,
+                           virtual_pipeline_model_parallel_size=1, context_parallel_size=1)
     dp = max(1, nproc // (tp * pp))
     group = raw["rollout"]["n_samples_per_prompt"]
     raw["rollout"].update(num_engines=1, engine_tensor_parallel_size=1, placement="colocated")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.learner.model import Learner
+from sparse_rl_mega.learner.weights import as_chunks, chunks_sharded_state_dict
 
 MARKER = "sparse_rl_mega.json"
 
@@ -31,9 +32,16 @@ MARKER = "sparse_rl_mega.json"
 def _layout() -> dict:
     from megatron.core import parallel_state as ps
 
-    return {"world_size": dist.get_world_size(),
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
+    layout = {"world_size": dist.get_world_size(),
+              "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+              "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
+    # named only when used, so checkpoints of plain layouts compare equal to older ones
+    vpp, cp = ps.get_virtual_pipeline_model_parallel_world_size() or 1, ps.get_context_parallel_world_size()
+    if vpp > 1:
+        layout["virtual_pipeline_model_parallel_size"] = vpp
+    if cp > 1:
+        layout["context_parallel_size"] = cp
+    return layout
 
 
 def _rng_state() -> dict:
@@ -55,7 +63,7 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep
             shutil.rmtree(target)
         target.mkdir(parents=True)  # dist_checkpointing needs an existing, empty folder
     dist.barrier()
-    model_state = learner.module.sharded_state_dict()
+    model_state = chunks_sharded_state_dict(learner.modules)
     state = {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
     dist_checkpointing.save(state, str(target))
     (target / "rng").mkdir(exist_ok=True)
@@ -101,11 +109,11 @@ def load_checkpoint(learner: Learner, path: str | Path) -> dict:
 
     path = Path(path)
     marker = read_marker(path)
-    model_state = learner.module.sharded_state_dict()
+    model_state = chunks_sharded_state_dict(learner.modules)
     state = {"model": model_state,
              "optimizer": learner.optimizer.sharded_state_dict(model_state, is_loading=True)}
     loaded = dist_checkpointing.load(state, str(path))
-    learner.module.load_state_dict(loaded["model"])
+    _load_chunks(learner.modules, loaded["model"])
     learner.optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if marker.get("layout") == _layout() and rng_file.is_file():
@@ -117,15 +125,24 @@ def load_checkpoint(learner: Learner, path: str | Path) -> dict:
     return marker
 
 
-def load_model_weights(module: torch.nn.Module, path: str | Path) -> dict:
-    """Load only the model shards of a checkpoint into ``module`` (a GPTModel chunk of this rank, any
-    TP/PP layout; every rank calls this): no optimizer needs to exist, the Adam moments are not read.
-    Returns the marker."""
+def _load_chunks(modules, loaded: dict) -> None:
+    chunks = as_chunks(modules)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"chunk{i}"])
+
+
+def load_model_weights(modules, path: str | Path) -> dict:
+    """Load only the model shards of a checkpoint into ``modules`` (this rank's GPTModel chunks, any
+    TP/PP/virtual-stage layout; every rank calls this): no optimizer needs to exist, the Adam moments
+    are not read. Returns the marker."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     marker = read_marker(path)
-    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(path))
-    module.load_state_dict(loaded["model"])
+    loaded = dist_checkpointing.load({"model": chunks_sharded_state_dict(modules)}, str(path))
+    _load_chunks(modules, loaded["model"])
     dist.barrier()
     return marker

@@ -31,6 +31,7 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
         add_bias_linear=False, add_qkv_bias=a.has_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         # the loss returns (sum, count): Megatron divides gradients by the count of the whole step
@@ -40,6 +41,12 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
+    if p.virtual_pipeline_model_parallel_size > 1:
+        # as Megatron-LM does with virtual stages: per-direction p2p ops overlapped with compute. Batched
+        # ops would also be wrong at PP 2, where both neighbours are the same rank: a chunk's activation
+        # and another chunk's gradient cross in one batch and are matched in posting order (swapped)
+        kwargs.update(virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+                      overlap_p2p_comm=True, batch_p2p_comm=False)
     if m.fp8 is not None:
         kwargs.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_param=m.fp8_param)
     if p.recompute == "selective":  # core attention (the s x s scores) recomputed in the backward pass
@@ -60,47 +67,61 @@ def layer_spec(cfg: RunConfig):
 
 @dataclass
 class Learner:
-    """The model chunk of this rank, its DDP wrapper, optimizer and Megatron config."""
-    model: torch.nn.Module  # DDP-wrapped
-    module: torch.nn.Module  # the GPTModel inside
+    """This rank's model chunks (one, or one per virtual pipeline stage, in stage order), their DDP
+    wrappers, the optimizer over all of them and Megatron's config."""
+    chunks: list  # DDP-wrapped chunks, what the pipeline schedule runs
+    modules: list  # the GPTModel inside each chunk
     optimizer: object
     config: object
 
 
-def _gpt_model(cfg: RunConfig, config) -> torch.nn.Module:
+def virtual_stages(cfg: RunConfig) -> int:
+    return cfg.parallel.virtual_pipeline_model_parallel_size
+
+
+def _gpt_chunks(cfg: RunConfig, config) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks. With virtual stages, chunk ``v`` of pipeline rank ``r`` holds the
+    ``(v * PP + r)``-th block of layers; only chunk 0 of the first rank embeds and only the last chunk
+    of the last rank has the output layer."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    a = cfg.model.arch
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=a.vocab_size,
-                     max_sequence_length=a.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=a.tie_word_embeddings, position_embedding_type="rope",
-                     rotary_base=int(a.rope_theta))
-    if config.params_dtype == torch.float64:
-        # the local spec's torch norms are created in float32; an exactness run wants every weight in float64
-        model = model.to(torch.float64)
-    return model
+    a, vpp = cfg.model.arch, virtual_stages(cfg)
+    chunks = []
+    for vp in range(vpp):
+        stage = dict(ignore_virtual=vpp == 1, vp_stage=vp if vpp > 1 else None)
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=a.vocab_size,
+                         max_sequence_length=a.max_position_embeddings,
+                         pre_process=ps.is_pipeline_first_stage(**stage), post_process=ps.is_pipeline_last_stage(**stage),
+                         share_embeddings_and_output_weights=a.tie_word_embeddings, position_embedding_type="rope",
+                         rotary_base=int(a.rope_theta), vp_stage=stage["vp_stage"])
+        if config.params_dtype == torch.float64:
+            # the local spec's torch norms are created in float32; an exactness run wants every weight in float64
+            model = model.to(torch.float64)
+        chunks.append(model)
+    return chunks
 
 
-def build_reference_model(cfg: RunConfig) -> torch.nn.Module:
-    """A frozen copy of the policy's architecture for the KL penalty (same TP/PP split, no DDP,
-    no optimizer); the caller loads its weights."""
+def build_reference_model(cfg: RunConfig) -> list[torch.nn.Module]:
+    """A frozen copy of the policy's architecture for the KL penalty (same TP/PP split and chunks, no
+    DDP, no optimizer); the caller loads its weights."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    model = _gpt_model(cfg, TransformerConfig(**transformer_config_kwargs(cfg)))
-    for param in model.parameters():
-        param.requires_grad_(False)
-    return model.eval()
+    chunks = _gpt_chunks(cfg, TransformerConfig(**transformer_config_kwargs(cfg)))
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        chunk.eval()
+    return chunks
 
 
-def build_model(cfg: RunConfig, initialize: bool = True) -> torch.nn.Module:
-    """This rank's GPTModel chunk alone (no DDP, no optimizer), e.g. to load a checkpoint into
+def build_model(cfg: RunConfig, initialize: bool = True) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks alone (no DDP, no optimizer), e.g. to load a checkpoint into
     (``tools/export_hf.py``); ``initialize=False`` skips the random initialisation of weights that are
     overwritten anyway."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return _gpt_model(cfg, TransformerConfig(**transformer_config_kwargs(cfg), perform_initialization=initialize))
+    return _gpt_chunks(cfg, TransformerConfig(**transformer_config_kwargs(cfg), perform_initialization=initialize))
 
 
 def build_learner(cfg: RunConfig) -> Learner:
@@ -109,15 +130,17 @@ def build_learner(cfg: RunConfig) -> Learner:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(**transformer_config_kwargs(cfg))
-    gpt = _gpt_model(cfg, config)
+    modules = _gpt_chunks(cfg, config)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.params_dtype == torch.bfloat16,
                                                overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    # as Megatron-LM does: only the first chunk's buffer is bucketed
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, disable_bucketing=i > 0)
+              for i, module in enumerate(modules)]
     config.finalize_model_grads_func = finalize_model_grads
     t = cfg.trainer
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
         clip_grad=t.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer), [model])
-    return Learner(model=model, module=gpt, optimizer=optimizer, config=config)
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer), chunks)
+    return Learner(chunks=chunks, modules=modules, optimizer=optimizer, config=config)

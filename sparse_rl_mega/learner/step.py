@@ -35,8 +35,10 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
     return out
 
 
-def _run_schedule(model: torch.nn.Module, microbatches: list[dict], loss_fn, width: int, micro_batch_size: int,
+def _run_schedule(chunks: list, microbatches: list[dict], loss_fn, width: int, micro_batch_size: int,
                   forward_only: bool) -> list:
+    """Megatron's schedule over this rank's model chunks (several: the interleaved schedule, which
+    gives every chunk its own pass over the same micro-batches)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
@@ -44,10 +46,18 @@ def _run_schedule(model: torch.nn.Module, microbatches: list[dict], loss_fn, wid
         logits = chunk(mb["input_ids"], mb["position_ids"], None)  # last stage: [b, s, V / tp]
         return logits, partial(loss_fn, mb)
 
+    iterators = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-        num_microbatches=len(microbatches), seq_length=width, micro_batch_size=micro_batch_size,
-        forward_only=forward_only)
+        forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=list(chunks), num_microbatches=len(microbatches), seq_length=width,
+        micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+
+def _pipeline_fill(chunks: list) -> int:
+    """Micro-batches the interleaved schedule runs in groups of: PP (1 without virtual stages)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
 
 
 def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,24 +70,34 @@ def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logprobs(model: torch.nn.Module, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
-    """Dense logprobs of ``batch.labels`` ``[N, S]`` (float32) from ``model`` (a learner's DDP model or a
-    frozen reference model), returned on every rank of the pipeline group."""
+def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+    """Dense logprobs of ``batch.labels`` ``[N, S]`` (float32) from ``chunks`` (a learner's DDP chunks
+    or a frozen reference model's chunks; one module is taken as one chunk), returned on every rank of
+    the pipeline group. The interleaved schedule needs a multiple of PP micro-batches: copies of the
+    last row fill the last group and are dropped."""
     from megatron.core import parallel_state as ps
+
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
 
     def logprob_loss(mb, logits):
         logp, _ = logprobs_and_entropy(logits, mb["labels"], with_entropy=False)
         return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logp": logp}
 
-    was_training = model.training
-    model.eval()
+    was_training = chunks[0].training
+    for chunk in chunks:
+        chunk.eval()
     mbs = min(micro_batch_size, batch.size)
-    results = _run_schedule(model, _microbatches(batch, mbs, False), logprob_loss, batch.width, mbs, True)
-    model.train(was_training)
+    microbatches = _microbatches(batch, mbs, False)
+    fill = _pipeline_fill(chunks)
+    while len(microbatches) % fill:
+        microbatches.append({k: v[-1:].expand(mbs, *v.shape[1:]) for k, v in microbatches[-1].items()})
+    results = _run_schedule(chunks, microbatches, logprob_loss, batch.width, mbs, True)
+    for chunk in chunks:
+        chunk.train(was_training)
     if ps.is_pipeline_last_stage():
-        logp = torch.cat([r["logp"] for r in results], dim=0)
+        logp = torch.cat([r["logp"] for r in results], dim=0)[:batch.size]
     else:
-        dtype = torch.promote_types(model.config.params_dtype, torch.float32)
+        dtype = torch.promote_types(chunks[0].config.params_dtype, torch.float32)
         logp = torch.empty(batch.size, batch.width, dtype=dtype)
     return _broadcast_from_last_stage(logp)
 
@@ -94,9 +114,10 @@ def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfi
         report = torch.stack([loss_sum.detach(), count.detach()] + [stats[k] for k in REPORT_KEYS[2:]])
         return loss_sum, count.to(torch.int), {"report": report.to(torch.float64)}
 
-    learner.model.zero_grad_buffer()
+    for chunk in learner.chunks:
+        chunk.zero_grad_buffer()
     learner.optimizer.zero_grad()
-    results = _run_schedule(learner.model, _microbatches(batch, micro_batch_size, True), corrected_loss,
+    results = _run_schedule(learner.chunks, _microbatches(batch, micro_batch_size, True), corrected_loss,
                             batch.width, micro_batch_size, False)
     report = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
     for r in results:

@@ -16,11 +16,26 @@ from sparse_rl_mega.config import ArchConfig
 from sparse_rl_mega.learner.hf_map import entries, fuse, hf_names, split
 
 
-def _local_shards(module: torch.nn.Module, main_replica_only: bool) -> list:
+def as_chunks(modules) -> list[torch.nn.Module]:
+    """This rank's model chunks as a list (a single module is one chunk)."""
+    return list(modules) if isinstance(modules, (list, tuple)) else [modules]
+
+
+def chunks_sharded_state_dict(modules) -> dict:
+    """One sharded state dict for this rank's chunks: the chunk's own with one chunk, else
+    ``{"chunk0": ..., "chunk1": ...}``. Shards are matched by their global keys (layers carry their
+    global number), so checkpoints load across any layout, virtual stages or not."""
+    chunks = as_chunks(modules)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _local_shards(modules, main_replica_only: bool) -> list:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    state = module.sharded_state_dict()
+    state = chunks_sharded_state_dict(modules)
     apply_factories(state)
     shards = []
     for value in nested_values(state):
@@ -78,8 +93,9 @@ class _LazyHFCheckpoint:
 
 
 @torch.no_grad()
-def load_hf_into_model(module: torch.nn.Module, hf_dir: str | Path, arch: ArchConfig) -> None:
-    """Copy an HF checkpoint into this rank's shards (every replica, so TP/DP copies agree).
+def load_hf_into_model(modules, hf_dir: str | Path, arch: ArchConfig) -> None:
+    """Copy an HF checkpoint into this rank's shards of ``modules`` (its model chunks, or one module;
+    every replica, so TP/DP copies agree).
 
     Only what this rank holds is read: the layers of its pipeline stage (the stacked layer axis of a
     shard's canonical key gives the global layer), the embedding / final norm / output layer only on
@@ -95,7 +111,7 @@ def load_hf_into_model(module: torch.nn.Module, hf_dir: str | Path, arch: ArchCo
 
     work: dict[tuple[int, int, str], list] = {}  # (layer + 1 or 0, entry order, key) -> this rank's shards
     order = {key: i for i, key in enumerate(by_key)}
-    for shard in _local_shards(module, main_replica_only=False):
+    for shard in _local_shards(modules, main_replica_only=False):
         entry = by_key.get(shard.key)
         if entry is None:
             raise KeyError(f"no HF tensor maps to Megatron tensor {shard.key}")
@@ -130,7 +146,7 @@ def load_hf_into_model(module: torch.nn.Module, hf_dir: str | Path, arch: ArchCo
 
 
 @torch.no_grad()
-def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0,
+def stream_hf_tensors(modules, arch: ArchConfig, dst: int = 0,
                       specs_elsewhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors, one layer's piece at a time, on global rank ``dst``.
 
@@ -143,7 +159,7 @@ def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0,
     the same order, with meta-device tensors of the same shapes and dtypes (an engine host that
     receives the broadcast plans its buckets exactly as ``dst`` fills them)."""
     rank = dist.get_rank()
-    shards = _local_shards(module, main_replica_only=True)
+    shards = _local_shards(modules, main_replica_only=True)
     # metadata only: (group, key, global shape, index, dtype) of every piece, everywhere
     mine = []
     for number, shard in enumerate(shards):
@@ -193,9 +209,9 @@ def stream_hf_tensors(module: torch.nn.Module, arch: ArchConfig, dst: int = 0,
             yield name, part.contiguous()
 
 
-def gather_hf_state_dict(module: torch.nn.Module, arch: ArchConfig, dst: int = 0) -> Optional[dict[str, torch.Tensor]]:
+def gather_hf_state_dict(modules, arch: ArchConfig, dst: int = 0) -> Optional[dict[str, torch.Tensor]]:
     """Full HF-named weights on global rank ``dst`` (None elsewhere); see :func:`stream_hf_tensors`."""
-    named = dict(stream_hf_tensors(module, arch, dst))
+    named = dict(stream_hf_tensors(modules, arch, dst))
     return named if dist.get_rank() == dst else None
 
 

@@ -16,17 +16,21 @@ import torch.distributed as dist  # noqa: E402
 def start(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, micro_batch: int,
           algorithm: dict | None = None, parallel: dict | None = None):
     """Initialise this rank and return the validated run config."""
-    init_parallel(tp, pp)
+    parallel = parallel or {}
+    init_parallel(tp, pp, parallel.get("virtual_pipeline_model_parallel_size", 1),
+                  parallel.get("context_parallel_size", 1))
     return run_config(model_dir, tp, pp, group_size, global_batch, micro_batch, algorithm, parallel)
 
 
-def init_parallel(tp: int, pp: int) -> None:
+def init_parallel(tp: int, pp: int, vpp: int = 1, cp: int = 1) -> None:
     """gloo process group and Megatron's parallel state (once per process)."""
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                 context_parallel_size=cp)
     seed_model_parallel_rng(0)
 
 

@@ -32,7 +32,7 @@ def main() -> None:
     init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     learner = build_learner(cfg)
     load_checkpoint(learner, args.checkpoint)
-    state = gather_hf_state_dict(learner.module, cfg.model.arch)
+    state = gather_hf_state_dict(learner.modules, cfg.model.arch)
     if dist.get_rank() == 0:
         torch.save(state, args.out)
     dist.barrier()

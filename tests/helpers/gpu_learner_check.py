@@ -41,8 +41,8 @@ def main() -> None:
                                 "rollout": {"n_samples_per_prompt": 2}, "data": {"train_path": "unused.jsonl",
                                 "prompts_per_iteration": 1}, "trainer": {"global_batch_size": 2, "micro_batch_size": 2}})
         learner = build_learner(cfg)
-        load_hf_into_model(learner.module, model_dir, cfg.model.arch)
-        return forward_logprobs(learner.model, batch, 2).float().cpu()
+        load_hf_into_model(learner.modules, model_dir, cfg.model.arch)
+        return forward_logprobs(learner.chunks, batch, 2).float().cpu()
 
     lines = []
     local, te = logprobs("local"), logprobs("transformer_engine")

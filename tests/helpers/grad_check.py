@@ -55,9 +55,9 @@ def main() -> None:
     for dtype_name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
         cfg.model.dtype = dtype_name  # float64: rounding out of the way, the algorithm must agree exactly
         learner = build_learner(cfg)
-        load_hf_into_model(learner.module, model_dir, cfg.model.arch)
+        load_hf_into_model(learner.modules, model_dir, cfg.model.arch)
         local = full.select(rows)
-        dense = forward_logprobs(learner.model, local, mbs)
+        dense = forward_logprobs(learner.chunks, local, mbs)
         g = torch.Generator().manual_seed(99)
         noise = [torch.randn(N, WIDTH, generator=g, dtype=torch.float64)[rows].to(dtype) for _ in range(3)]
         local.logp_old = dense + 0.3 * noise[0]      # the anchor: the policy has moved since
@@ -69,7 +69,7 @@ def main() -> None:
         local.is_weights, local.loss_mask, metrics = compute_correction(
             local.logp_old, local.logp_sparse, local.response_mask, "sparse_rl", group=dp_group)
         results[dtype_name] = {"metrics": metrics}
-        params = list(learner.module.parameters())
+        params = [p for chunk in learner.modules for p in chunk.parameters()]
         saved = [p.data.clone() for p in params]
         for mode in AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
@@ -78,7 +78,7 @@ def main() -> None:
                 dist.all_reduce(report, group=dp_group)
             for p in params:  # expose the reduced, scaled gradients through the weight-gather path
                 p.data.copy_(p.main_grad)
-            grads = gather_hf_state_dict(learner.module, cfg.model.arch)
+            grads = gather_hf_state_dict(learner.modules, cfg.model.arch)
             for p, original in zip(params, saved):
                 p.data.copy_(original)
             values = dict(zip(REPORT_KEYS, report.tolist()))

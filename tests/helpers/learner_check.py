@@ -115,18 +115,18 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     cfg = run_config(str(model_dir), tp, pp, group_size=2, global_batch=2, micro_batch=1)
     arch = cfg.model.arch
     learner = build_learner(cfg)
-    errors = _error_messages(learner.module, model_dir, arch, work / model_dir.name) if error_checks else None
+    errors = _error_messages(learner.modules, model_dir, arch, work / model_dir.name) if error_checks else None
     source = model_dir
     if stage_copies and pp > 1:
         source = _stage_copy(model_dir, work / f"rank{dist.get_rank()}" / model_dir.name, arch.tie_word_embeddings)
-    load_hf_into_model(learner.module, source, arch)
-    gathered = gather_hf_state_dict(learner.module, arch)
+    load_hf_into_model(learner.modules, source, arch)
+    gathered = gather_hf_state_dict(learner.modules, arch)
 
     ids = IDS % arch.vocab_size
     batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(2, 9),
                          logp_sparse=torch.zeros(2, 9), rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long))
-    logp = forward_logprobs(learner.model, batch, micro_batch_size=1)
-    logits, entropy = _logits_and_entropy(learner.model, batch)
+    logp = forward_logprobs(learner.chunks, batch, micro_batch_size=1)
+    logits, entropy = _logits_and_entropy(learner.chunks[0], batch)
     if pp > 1:  # the last stage's results to the first (rank 0 is on the first stage)
         if logits is None:
             logits, entropy = torch.empty(*ids[:, 1:].shape, arch.vocab_size), torch.empty(ids[:, 1:].shape)

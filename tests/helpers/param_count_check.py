@@ -36,7 +36,7 @@ def main() -> None:
             "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 2},
             "trainer": {"global_batch_size": 4, "micro_batch_size": 1}})
         model = build_model(cfg, initialize=False)
-        count = sum(p.numel() for p in model.parameters())
+        count = sum(p.numel() for chunk in model for p in chunk.parameters())
         row = [ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), count]
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)

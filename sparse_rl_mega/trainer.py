@@ -488,7 +488,7 @@ class Trainer:
                                                       valid=part.loss_mask.sum(dim=1) > 0)
                 step_metrics.update(advantage_metrics(part.advantages, self.dp_group))
                 with timer.phase("train"):
-                    step_metrics.update(train_step(self.learner, part, algo, mbs, self.dp_group))
+                    step_metrics.update(train_step(self.learner, part, algo, mbs))
                 per_step.append(step_metrics)
             for key in per_step[0]:
                 values = [m[key] for m in per_step]

@@ -1,7 +1,8 @@
 """Stop and resume: a run resumed from the checkpoint of iteration 2 computes the same iteration 3 as
 the uninterrupted 3-iteration run (the shared ``e2e_run``), on the same layout (PP=2) and on another
 one (TP=2, PP=1, weights pushed by broadcast over a gloo group instead of in-process tensors) and as
-an interleaved pipeline (PP=2 with 2 virtual stages: each rank holds layers {0, 2} or {1, 3}): same
+an interleaved pipeline (PP=2 with 2 virtual stages: each rank holds layers {0, 2} or {1, 3}) and with
+context parallelism (CP=2: each rank holds two quarters of every sequence): same
 rollouts (the engine gets the checkpoint's weights), same loss and correction (model and Adam moments
 restored, resharded by dist_checkpointing)."""
 from pathlib import Path
@@ -29,7 +30,7 @@ def _metrics_at(run_dir: Path, step: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", ["same-pp2", "tp2", "pp2-vpp2"])
+@pytest.mark.parametrize("layout", ["same-pp2", "tp2", "pp2-vpp2", "cp2"])
 def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_path, layout):
     full_dir, proc = e2e_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,12 +43,16 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
                       "--set=trainer.sync_method=broadcast"]
     if layout == "pp2-vpp2":  # model chunks through checkpoint load, schedule, reference model and weight push
         overrides += ["--set=parallel.virtual_pipeline_model_parallel_size=2"]
+    if layout == "cp2":  # sequences split for the learner's logprobs, reference logprobs and loss
+        overrides += ["--set=parallel.context_parallel_size=2", "--set=parallel.pipeline_model_parallel_size=1"]
     resumed = run_launch(config, *overrides, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout and "[iter 3/3]" in resumed.stdout
     assert "[iter 1/3]" not in resumed.stdout and "[iter 2/3]" not in resumed.stdout
     if layout == "pp2-vpp2":
         assert "PP=2x2 virtual" in resumed.stdout
+    if layout == "cp2":
+        assert "CP=2 DP=1" in resumed.stdout
 
     expected, got = _metrics_at(full_dir, 2), _metrics_at(run_dir, 2)
     assert set(got) == set(expected) == set(COMPARED)

@@ -48,12 +48,18 @@ def kl_penalty(logp_theta: torch.Tensor, logp_ref: torch.Tensor, estimator: str)
     return divergence((logp_ref - logp_theta).clamp(-20.0, 20.0), estimator)
 
 
-def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum part, count part)`` of this micro-batch's share of the step loss (see module doc)."""
+def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, seq_tokens: Optional[torch.Tensor] = None,
+              count_sequences: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum part, count part)`` of this micro-batch's share of the step loss (see module doc).
+
+    With context parallelism a rank sees only part of each sequence's tokens: ``seq_tokens`` ``[batch]``
+    gives each whole sequence's kept-token count (the per-sequence mean's denominator), and only one
+    rank of the context-parallel group counts the sequences (``count_sequences``), so that summing the
+    parts over the group gives the unsplit result."""
     masked = token_loss * loss_mask
     if mode == "token-mean":
         return masked.sum(), loss_mask.sum()
-    tokens_per_seq = loss_mask.sum(dim=1)
+    tokens_per_seq = loss_mask.sum(dim=1) if seq_tokens is None else seq_tokens.to(loss_mask.dtype)
     has_tokens = tokens_per_seq > 0
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(dim=1) / tokens_per_seq.clamp(min=1)
@@ -61,12 +67,14 @@ def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> t
         per_seq = masked.sum(dim=1)
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}")
-    return (per_seq * has_tokens).sum(), has_tokens.sum().to(token_loss.dtype)
+    count = has_tokens.sum().to(token_loss.dtype) if count_sequences else token_loss.new_zeros(())
+    return (per_seq * has_tokens).sum(), count
 
 
 def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                 is_weights: torch.Tensor, loss_mask: torch.Tensor, algo: AlgorithmConfig,
-                logp_ref: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None
+                logp_ref: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
+                seq_tokens: Optional[torch.Tensor] = None, count_sequences: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Corrected PPO loss of one micro-batch.
 
@@ -77,6 +85,7 @@ def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: to
         is_weights, loss_mask: ``[batch, tokens]`` from :func:`~sparse_rl_mega.algo.correction.compute_correction`.
         logp_ref: ``[batch, tokens]`` reference-policy logprobs (needed when ``algo.kl_coef > 0``).
         entropy: ``[batch, tokens]`` entropy of pi_theta per position (needed when ``algo.entropy_coef > 0``).
+        seq_tokens, count_sequences: for a context-parallel part of the sequences, see :func:`aggregate`.
     Returns:
         ``(loss_sum, count, stats)``; ``stats`` are detached sums over kept tokens for metrics.
     """
@@ -93,7 +102,7 @@ def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: to
         if entropy is None:
             raise ValueError("algorithm.entropy_coef > 0 needs the per-token entropy")
         token_loss = token_loss - algo.entropy_coef * entropy
-    loss_sum, count = aggregate(token_loss, loss_mask, algo.loss_agg_mode)
+    loss_sum, count = aggregate(token_loss, loss_mask, algo.loss_agg_mode, seq_tokens, count_sequences)
     with torch.no_grad():
         stats = {
             "clipped_tokens": (clipped.float() * loss_mask).sum(),

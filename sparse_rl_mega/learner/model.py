@@ -62,7 +62,12 @@ def layer_spec(cfg: RunConfig):
     qk_layernorm = cfg.model.arch.qk_layernorm  # Qwen3's q_norm / k_norm
     if cfg.model.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    if cfg.parallel.context_parallel_size > 1:  # Megatron's local attention refuses CP: gather K/V instead
+        from sparse_rl_mega.learner.context_parallel import AllGatherKVAttention
+
+        spec.submodules.self_attention.submodules.core_attention = AllGatherKVAttention
+    return spec
 
 
 @dataclass

@@ -1,5 +1,9 @@
 """Learner passes over a :class:`RolloutBatch`: dense logprobs (forward only) and the corrected
-train step, both through Megatron's pipeline schedule, so they work for any TP/PP/DP layout.
+train step, both through Megatron's pipeline schedule, so they work for any TP/PP/CP/DP layout.
+
+With context parallelism each micro-batch's sequences are padded to a multiple of 2 x CP and every CP
+rank gets its two chunks (:mod:`sparse_rl_mega.learner.context_parallel`); logprobs are gathered back
+into whole sequences, and the loss's per-sequence terms use whole-sequence token counts.
 
 The last pipeline stage returns vocab-parallel logits; logprobs and entropy come from
 :mod:`sparse_rl_mega.learner.vocab_parallel` without gathering the vocabulary.
@@ -15,6 +19,7 @@ import torch.distributed as dist
 from sparse_rl_mega.algo.loss import policy_loss
 from sparse_rl_mega.batch import RolloutBatch
 from sparse_rl_mega.config import AlgorithmConfig
+from sparse_rl_mega.learner.context_parallel import gather_sequence, padded_width, split_sequence
 from sparse_rl_mega.learner.model import Learner
 from sparse_rl_mega.learner.vocab_parallel import logprobs_and_entropy
 
@@ -22,15 +27,40 @@ _LOSS_INPUTS = ("logp_old", "advantages", "is_weights", "loss_mask", "logp_ref")
 REPORT_KEYS = ("loss_sum", "count", "clipped_tokens", "kept_tokens", "approx_kl_old_sum", "entropy_sum", "kl_ref_sum")
 
 
-def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool) -> list[dict]:
-    positions = torch.arange(batch.width).unsqueeze(0)
+def _context_parallel() -> tuple[int, int, Optional[dist.ProcessGroup]]:
+    """(size, rank, group) of this rank's context-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_context_parallel_world_size()
+    return size, ps.get_context_parallel_rank(), ps.get_context_parallel_group() if size > 1 else None
+
+
+def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool, cp_size: int = 1,
+                  cp_rank: int = 0) -> list[dict]:
+    """Micro-batches of ``batch`` as this rank feeds them to its model: ``[b, S]`` tensors (right-padded
+    to a multiple of 2 x CP and cut to this CP rank's chunks when CP > 1), ``[b]`` advantages, and with
+    CP the whole sequences' kept-token counts (``seq_tokens``)."""
+    width = padded_width(batch.width, cp_size)
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:  # [b, S] -> [b, width / cp]
+        if cp_size == 1:
+            return tensor
+        return split_sequence(torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])), cp_size, cp_rank)
+
+    positions = torch.arange(width).unsqueeze(0)
     out = []
     for start in range(0, batch.size, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        mb = {"input_ids": batch.input_ids[rows], "labels": batch.labels[rows],
-              "position_ids": positions.expand(batch.input_ids[rows].shape[0], -1)}
+        n = batch.input_ids[rows].shape[0]
+        mb = {"input_ids": local(batch.input_ids[rows]), "labels": local(batch.labels[rows]),
+              "position_ids": local(positions.expand(n, -1))}
         if with_loss_inputs:
-            mb.update({name: getattr(batch, name)[rows] for name in _LOSS_INPUTS if getattr(batch, name) is not None})
+            for name in _LOSS_INPUTS:
+                value = getattr(batch, name)
+                if value is not None:
+                    mb[name] = value[rows] if value.dim() == 1 else local(value[rows])
+            if cp_size > 1:
+                mb["seq_tokens"] = batch.loss_mask[rows].sum(dim=1)
         out.append(mb)
     return out
 
@@ -87,15 +117,17 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
     for chunk in chunks:
         chunk.eval()
     mbs = min(micro_batch_size, batch.size)
-    microbatches = _microbatches(batch, mbs, False)
+    cp_size, cp_rank, cp_group = _context_parallel()
+    microbatches = _microbatches(batch, mbs, False, cp_size, cp_rank)
     fill = _pipeline_fill(chunks)
     while len(microbatches) % fill:
         microbatches.append({k: v[-1:].expand(mbs, *v.shape[1:]) for k, v in microbatches[-1].items()})
-    results = _run_schedule(chunks, microbatches, logprob_loss, batch.width, mbs, True)
+    results = _run_schedule(chunks, microbatches, logprob_loss, padded_width(batch.width, cp_size), mbs, True)
     for chunk in chunks:
         chunk.train(was_training)
     if ps.is_pipeline_last_stage():
         logp = torch.cat([r["logp"] for r in results], dim=0)[:batch.size]
+        logp = gather_sequence(logp, cp_group)[:, :batch.width]
     else:
         dtype = torch.promote_types(chunks[0].config.params_dtype, torch.float32)
         logp = torch.empty(batch.size, batch.width, dtype=dtype)
@@ -105,35 +137,41 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
 def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
                      ) -> torch.Tensor:
     """Gradients of the corrected loss of one global batch (this DP rank's rows) accumulated into the
-    DDP grad buffers, already reduced over DP and divided by the step's global count. Returns the
-    summed report (see ``REPORT_KEYS``) of this rank's micro-batches (zeros off the last stage)."""
+    DDP grad buffers, already reduced over DP (and CP) and divided by the step's global count. Returns
+    the summed report (see ``REPORT_KEYS``) of this rank's micro-batches (zeros off the last stage; with
+    CP, this rank's part of the sequences: sum it over the DP x CP group)."""
+    cp_size, cp_rank, _ = _context_parallel()
+
     def corrected_loss(mb, logits):
         logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"])  # entropy is also a metric
+        # with CP, one rank counts the sequences and the per-sequence means use whole-sequence counts
         loss_sum, count, stats = policy_loss(logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"],
-                                             mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy)
+                                             mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy,
+                                             seq_tokens=mb.get("seq_tokens"), count_sequences=cp_rank == 0)
         report = torch.stack([loss_sum.detach(), count.detach()] + [stats[k] for k in REPORT_KEYS[2:]])
         return loss_sum, count.to(torch.int), {"report": report.to(torch.float64)}
 
     for chunk in learner.chunks:
         chunk.zero_grad_buffer()
     learner.optimizer.zero_grad()
-    results = _run_schedule(learner.chunks, _microbatches(batch, micro_batch_size, True), corrected_loss,
-                            batch.width, micro_batch_size, False)
+    results = _run_schedule(learner.chunks, _microbatches(batch, micro_batch_size, True, cp_size, cp_rank),
+                            corrected_loss, padded_width(batch.width, cp_size), micro_batch_size, False)
     report = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
     for r in results:
         report += r["report"]
     return report
 
 
-def train_step(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int,
-               dp_group: Optional[dist.ProcessGroup]) -> dict[str, float]:
+def train_step(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
+               ) -> dict[str, float]:
     """One optimizer step on this DP rank's share of a global batch; metrics are global (every rank)."""
     from megatron.core import parallel_state as ps
 
     report = forward_backward(learner, batch, algo, micro_batch_size)
     update_ok, grad_norm, _ = learner.optimizer.step()
-    if ps.is_pipeline_last_stage() and dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(report, group=dp_group)
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    if ps.is_pipeline_last_stage() and dist.get_world_size(dp_cp_group) > 1:
+        dist.all_reduce(report, group=dp_cp_group)
     values = dict(zip(REPORT_KEYS, _broadcast_from_last_stage(report).tolist()))
     kept = max(values["kept_tokens"], 1.0)
     metrics = {"train/loss": values["loss_sum"] / max(values["count"], 1.0),

@@ -3,7 +3,7 @@ fixed global batch at a given TP/PP/DP layout and micro-batch size, saved in HF 
 
     torchrun --nproc-per-node W tests/helpers/grad_check.py MODEL_DIR TP PP MICRO_BATCH OUT.pt [PARALLEL_JSON]
 
-PARALLEL_JSON: more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"sequence_parallel": true}``.
+PARALLEL_JSON: more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"context_parallel_size": 2}``.
 
 Every rank builds the same global batch (8 sequences, 2 GRPO groups) with fixed synthetic sampler,
 reference and anchor logprobs around the model's own dense logprobs, so PPO clipping, dual clipping,
@@ -74,8 +74,9 @@ def main() -> None:
         for mode in AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
             report = forward_backward(learner, local, cfg.algorithm, mbs)
-            if ps.is_pipeline_last_stage() and dp > 1:
-                dist.all_reduce(report, group=dp_group)
+            dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of rows
+            if ps.is_pipeline_last_stage() and dist.get_world_size(dp_cp_group) > 1:
+                dist.all_reduce(report, group=dp_cp_group)
             for p in params:  # expose the reduced, scaled gradients through the weight-gather path
                 p.data.copy_(p.main_grad)
             grads = gather_hf_state_dict(learner.modules, cfg.model.arch)

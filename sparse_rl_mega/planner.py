@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from sglang_patches.admission import compressed_bound
 from sglang_patches.settings import EngineKVSettings
@@ -104,7 +105,7 @@ def engine_params(a: ArchConfig, tp: int) -> int:
 
 
 def layer_activation_bytes(a: ArchConfig, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                           flash_attention: bool, dtype_bytes: int) -> int:
+                           flash_attention: bool, dtype_bytes: int, key_len: Optional[int] = None) -> int:
     """Estimate: activations one transformer layer stores for backward, one micro-batch, no recompute.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), for
@@ -113,11 +114,12 @@ def layer_activation_bytes(a: ArchConfig, seq: int, micro_batch: int, tp: int, s
     parallelism also the remaining 10 (norms, dropout inputs). Fused / flash attention (Transformer
     Engine) stores no ``[a, s, s]`` scores: that term is dropped. Scaled by ``dtype_bytes / 2``. The
     paper's layer (4h MLP, multi-head attention, dropout masks) differs from a GQA + SwiGLU layer
-    without dropout: a rough figure, not a bound."""
+    without dropout: a rough figure, not a bound. With context parallelism ``seq`` is this rank's
+    share of the tokens and ``key_len`` the whole sequence its queries attend to."""
     s, b, h = seq, micro_batch, a.hidden_size
     per_token = (34 / tp) if sequence_parallel else (10 + 24 / tp)
     if not flash_attention:
-        per_token += 5 * a.num_attention_heads * s / (h * tp)
+        per_token += 5 * a.num_attention_heads * (key_len or s) / (h * tp)
     return int(s * b * h * per_token * dtype_bytes / 2)
 
 
@@ -134,7 +136,7 @@ class LearnerMemory:
     optimizer_bytes: int
     reference_bytes: int     # frozen KL reference copy (0 without algorithm.kl_coef)
     activation_bytes: int    # estimate, micro-batches in flight
-    micro_batches_in_flight: int
+    micro_batches_in_flight: float  # whole-stage micro-batches (interleaved: chunk passes / virtual stages)
     seq_len: int
 
     @property
@@ -202,22 +204,29 @@ def learner_memory(cfg: RunConfig, prompt_tokens: int, stage: int) -> LearnerMem
     adam = 8 + (4 if m.dtype == "bfloat16" else 0)  # exp_avg + exp_avg_sq (+ fp32 master), per parameter
     optimizer = n * adam // (cfg.data_parallel_size if p.use_distributed_optimizer else 1)
     seq = prompt_tokens + cfg.rollout.max_new_tokens
+    cp, vpp = p.context_parallel_size, p.virtual_pipeline_model_parallel_size
+    local_seq = -(-seq // cp)  # this rank's share of every sequence
     micro_batches = t.global_batch_size // (cfg.data_parallel_size * t.micro_batch_size)
-    # 1F1B: stage k holds the activations of up to pp - k micro-batches before its first backward
-    in_flight = min(pp - stage, micro_batches)
+    layers = a.num_layers // pp
+    if vpp == 1:  # 1F1B: stage k holds the activations of up to pp - k micro-batches before its first backward
+        layer_micro_batches = min(pp - stage, micro_batches) * layers
+    else:  # interleaved: Megatron's warm-up of (pp - k - 1) * 2 + (vpp - 1) * pp chunk passes, plus one
+        chunk_passes = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+        layer_micro_batches = chunk_passes * layers // vpp
+    in_flight = layer_micro_batches / layers  # in whole-stage micro-batches
     # selective recomputation keeps no attention scores (as fused attention); full keeps each layer's
     # input and rebuilds one layer at a time in the backward pass
-    per_layer = layer_activation_bytes(a, seq, t.micro_batch_size, tp, p.sequence_parallel,
+    per_layer = layer_activation_bytes(a, local_seq, t.micro_batch_size, tp, p.sequence_parallel,
                                        m.transformer_impl == "transformer_engine" or p.recompute != "none",
-                                       dtype_bytes)
-    layers = a.num_layers // pp
+                                       dtype_bytes, key_len=seq)
     if p.recompute == "full":
-        layer_input = seq * t.micro_batch_size * a.hidden_size * dtype_bytes // (tp if p.sequence_parallel else 1)
-        activations = in_flight * layers * layer_input + per_layer
+        layer_input = (local_seq * t.micro_batch_size * a.hidden_size * dtype_bytes
+                       // (tp if p.sequence_parallel else 1))
+        activations = layer_micro_batches * layer_input + per_layer
     else:
-        activations = in_flight * layers * per_layer
+        activations = layer_micro_batches * per_layer
     if stage == pp - 1:  # float32 logits of this rank's vocabulary slice and the loss's copies of them
-        activations += LOGIT_COPIES * seq * t.micro_batch_size * (a.vocab_size // tp) * 4
+        activations += LOGIT_COPIES * local_seq * t.micro_batch_size * (a.vocab_size // tp) * 4
     return LearnerMemory(stage=stage, params=n, param_bytes=n * dtype_bytes, grad_bytes=n * GRAD_BYTES,
                          optimizer_bytes=optimizer,
                          reference_bytes=n * dtype_bytes if cfg.algorithm.kl_coef > 0 else 0,
@@ -302,11 +311,14 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
     if p.use_distributed_optimizer:
         adam += f", divided over DP {dp} (distributed optimizer)"
     fused = m.transformer_impl == "transformer_engine" or p.recompute != "none"
+    vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
+    interleaved = f" (interleaved, {vpp} virtual stages)" if vpp > 1 else ""
+    split = f", each sequence split over CP {cp}" if cp > 1 else ""
     activations = (f"estimate: Korthikanti et al. per layer, {'SP' if p.sequence_parallel else 'no SP'}, "
                    f"{'fused attention, no s x s scores' if fused else 'with s x s scores'}"
                    f"{'' if p.recompute == 'none' else f', {p.recompute} recomputation'}; "
-                   f"{lm.micro_batches_in_flight} micro-batch(es) of {cfg.trainer.micro_batch_size} x {lm.seq_len} "
-                   f"tokens in flight{' + fp32 logits' if lm.stage == pp - 1 else ''}")
+                   f"{lm.micro_batches_in_flight:g} micro-batch(es) of {cfg.trainer.micro_batch_size} x {lm.seq_len} "
+                   f"tokens in flight{interleaved}{split}{' + fp32 logits' if lm.stage == pp - 1 else ''}")
     replicated = ", KV heads replicated" if em.tp > m.arch.num_query_groups else ""
     capped = " (capped by rollout.max_total_tokens)" if r.max_total_tokens == em.pool_tokens else ""
     sparse = (f"sparse {em.sparse_tokens:,} (prompt + min(max_new, budget + interval + 1)) -> "
@@ -315,7 +327,8 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
     lines = [
         f"memory plan: GPU {gib(plan.gpu_bytes)} GiB, prompts of {plan.prompt_tokens} tokens "
         f"+ {r.max_new_tokens} new = {lm.seq_len}; model {total_params(m.arch) / 1e9:.3f}B parameters",
-        f"learner    rank of stage {lm.stage} (worst of PP {pp}), TP {tp}: {lm.params:,} parameters",
+        f"learner    rank of stage {lm.stage} (worst of PP {pp}), TP {tp}{f', CP {cp}' if cp > 1 else ''}: "
+        f"{lm.params:,} parameters",
         f"  parameters   {gib(lm.param_bytes):>9} GiB  ({m.dtype})",
         f"  gradients    {gib(lm.grad_bytes):>9} GiB  (fp32 main grads)",
         f"  Adam         {gib(lm.optimizer_bytes):>9} GiB  ({adam})",

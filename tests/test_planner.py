@@ -175,3 +175,18 @@ def test_recomputation_lowers_the_activation_estimate():
         return learner_memory(cfg, 512, 0).activation_bytes
 
     assert stage0("full") < stage0("selective") < stage0("none")
+
+
+def test_interleaving_and_context_parallelism_in_the_activation_estimate():
+    """Virtual stages: the first stage holds (pp - 1) * 2 + (vpp - 1) * pp + 1 chunk passes of
+    layers / vpp layers, 1 + (pp - 1) / (pp * vpp) times the 1F1B activations (Narayanan et al. 2021).
+    Context parallelism: with fused attention a rank stores activations of its share of the tokens."""
+    from sparse_rl_mega.planner import learner_memory
+
+    base = learner_memory(load_config(EXAMPLE_70B), 512, 0)
+    interleaved = learner_memory(load_config(EXAMPLE_70B, ["parallel.virtual_pipeline_model_parallel_size=5"]), 512, 0)
+    assert interleaved.activation_bytes / base.activation_bytes == pytest.approx(1 + 3 / 20)
+    assert interleaved.micro_batches_in_flight == pytest.approx(4.6)
+    split = learner_memory(load_config(EXAMPLE_70B, ["parallel.context_parallel_size=2"]), 512, 0)
+    assert split.activation_bytes == pytest.approx(base.activation_bytes / 2, rel=1e-6)
+    assert split.param_bytes == base.param_bytes

@@ -21,6 +21,12 @@ def test_70b_transformer_config_without_importing_te():
     assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (8, 4)
     assert config.sequence_parallel and config.recompute_granularity == "selective"
     assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == (80, 8192, 8, 128)
+    # interleaved pipeline: 5 chunks of 4 layers per rank, p2p per direction (not batched)
+    assert config.virtual_pipeline_model_parallel_size == 5 and not config.batch_p2p_comm and config.overlap_p2p_comm
+    assert config.context_parallel_size == 1
+    split = load_config(ROOT / "examples" / "70b_math.yaml", ["parallel.context_parallel_size=2"])
+    config = TransformerConfig(**transformer_config_kwargs(split))
+    assert (config.context_parallel_size, config.cp_comm_type) == (2, "p2p")  # TE's ring attention
     assert "transformer_engine" not in sys.modules
 
 
@@ -37,6 +43,14 @@ def test_te_layer_spec_is_requested_for_transformer_engine(monkeypatch):
     local = load_config(ROOT / "examples" / "qwen2.5_7b_math.yaml",
                         ["model.transformer_impl=local", "parallel.sequence_parallel=false"])
     assert layer_spec(local) != "te-spec" and len(calls) == 1
+    # the local spec has no CP attention of Megatron's own: the all-gather one takes its place
+    from sparse_rl_mega.learner.context_parallel import AllGatherKVAttention
+
+    split = load_config(ROOT / "examples" / "qwen2.5_7b_math.yaml",
+                        ["model.transformer_impl=local", "parallel.sequence_parallel=false",
+                         "parallel.context_parallel_size=2"])
+    assert layer_spec(split).submodules.self_attention.submodules.core_attention is AllGatherKVAttention
+    assert layer_spec(local).submodules.self_attention.submodules.core_attention is not AllGatherKVAttention
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -61,11 +61,14 @@ def describe_layout(cfg: RunConfig) -> str:
                f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}), "
                f"compress every {kv.interval} decode tokens past the budget")
     precision = m.dtype + (f", FP8 {m.fp8} ({m.fp8_recipe} scaling)" if m.fp8 else "")
+    vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
+    virtual = f" ({vpp} virtual stages each)" if vpp > 1 else ""
+    context = f" x CP {cp}" if cp > 1 else ""
     lines = [
         f"model      {m.path} ({m.arch.family}, {m.arch.num_layers} layers, hidden {m.arch.hidden_size}, "
         f"heads {m.arch.num_attention_heads}/{m.arch.num_query_groups} kv)",
-        f"learner    world {cfg.world_size} = {p.nnodes} node(s) x {p.nproc_per_node}; TP {tp} x PP {pp} x DP "
-        f"{cfg.data_parallel_size}; layers {m.transformer_impl}, {precision}",
+        f"learner    world {cfg.world_size} = {p.nnodes} node(s) x {p.nproc_per_node}; TP {tp} x PP {pp}{virtual}"
+        f"{context} x DP {cfg.data_parallel_size}; layers {m.transformer_impl}, {precision}",
         f"rollout    {r.num_engines} engine(s) x TP {r.engine_tensor_parallel_size}, {r.placement}; "
         f"{cfg.data.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples, "
         f"max {r.max_new_tokens} new tokens",

@@ -41,6 +41,8 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
+    if p.context_parallel_size > 1 and m.transformer_impl == "transformer_engine":
+        kwargs.update(cp_comm_type="p2p")  # TE's ring exchange of K/V chunks, overlapped with attention
     if p.virtual_pipeline_model_parallel_size > 1:
         # as Megatron-LM does with virtual stages: per-direction p2p ops overlapped with compute. Batched
         # ops would also be wrong at PP 2, where both neighbours are the same rank: a chunk's activation

@@ -23,7 +23,9 @@ LAYOUTS = {"reference": (1, 1, 1, 8, {}), "4 micro-batches": (1, 1, 1, 2, {}), "
            "TP2 selective recompute": (2, 2, 1, 2, {"recompute": "selective"}),
            "PP2 full recompute": (2, 1, 2, 2, {"recompute": "full"}),
            "PP2 x 2 virtual stages": (2, 1, 2, 2, {"virtual_pipeline_model_parallel_size": 2}),
-           "CP2": (2, 1, 1, 2, {"context_parallel_size": 2})}
+           "CP2": (2, 1, 1, 2, {"context_parallel_size": 2}),
+           "DP2 x CP2": (4, 1, 1, 2, {"context_parallel_size": 2}),
+           "TP2 x CP2 selective recompute": (4, 2, 1, 2, {"context_parallel_size": 2, "recompute": "selective"})}
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 TOLERANCE = {"float64": 1e-12, "float32": 5e-6}  # max |grad diff| / max |grad|
 

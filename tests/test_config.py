@@ -108,7 +108,7 @@ def test_dry_run_prints_layout(name):
 
 def test_dry_run_of_70b_shows_its_scale():
     out = _launch("examples/70b_math.yaml", "--dry-run").stdout
-    assert "world 64 = 8 node(s) x 8; TP 8 x PP 4 x DP 2" in out
+    assert "world 64 = 8 node(s) x 8; TP 8 x PP 4 (5 virtual stages each) x DP 2" in out
     assert "FP8" in out and "transformer_engine" in out and "budget 512" in out
 
 

@@ -153,6 +153,7 @@ def test_plan_says_an_impossible_layout_does_not_fit():
     """70B at TP 1 x PP 1: the learner alone needs several GPUs' memory; exit 3."""
     proc = run_launch(EXAMPLE_70B, "--plan", "--set", "parallel.nnodes=1", "--set",
                       "parallel.tensor_model_parallel_size=1", "--set", "parallel.pipeline_model_parallel_size=1",
+                      "--set", "parallel.virtual_pipeline_model_parallel_size=1",
                       "--set", "parallel.sequence_parallel=false", "--set", "rollout.num_engines=1", timeout=120)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "does NOT fit: learner (stage 0) needs" in proc.stdout
@@ -183,10 +184,11 @@ def test_interleaving_and_context_parallelism_in_the_activation_estimate():
     Context parallelism: with fused attention a rank stores activations of its share of the tokens."""
     from sparse_rl_mega.planner import learner_memory
 
-    base = learner_memory(load_config(EXAMPLE_70B), 512, 0)
+    plain = ["parallel.virtual_pipeline_model_parallel_size=1"]
+    base = learner_memory(load_config(EXAMPLE_70B, plain), 512, 0)
     interleaved = learner_memory(load_config(EXAMPLE_70B, ["parallel.virtual_pipeline_model_parallel_size=5"]), 512, 0)
     assert interleaved.activation_bytes / base.activation_bytes == pytest.approx(1 + 3 / 20)
     assert interleaved.micro_batches_in_flight == pytest.approx(4.6)
-    split = learner_memory(load_config(EXAMPLE_70B, ["parallel.context_parallel_size=2"]), 512, 0)
+    split = learner_memory(load_config(EXAMPLE_70B, plain + ["parallel.context_parallel_size=2"]), 512, 0)
     assert split.activation_bytes == pytest.approx(base.activation_bytes / 2, rel=1e-6)
     assert split.param_bytes == base.param_bytes

@@ -82,10 +82,6 @@ class Learner:
     config: object
 
 
-def virtual_stages(cfg: RunConfig) -> int:
-    return cfg.parallel.virtual_pipeline_model_parallel_size
-
-
 def _gpt_chunks(cfg: RunConfig, config) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks. With virtual stages, chunk ``v`` of pipeline rank ``r`` holds the
     ``(v * PP + r)``-th block of layers; only chunk 0 of the first rank embeds and only the last chunk
@@ -93,7 +89,7 @@ def _gpt_chunks(cfg: RunConfig, config) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    a, vpp = cfg.model.arch, virtual_stages(cfg)
+    a, vpp = cfg.model.arch, cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp):
         stage = dict(ignore_virtual=vpp == 1, vp_stage=vp if vpp > 1 else None)

@@ -22,6 +22,7 @@ from sparse_rl_mega.config import AlgorithmConfig
 from sparse_rl_mega.learner.context_parallel import gather_sequence, padded_width, split_sequence
 from sparse_rl_mega.learner.model import Learner
 from sparse_rl_mega.learner.vocab_parallel import logprobs_and_entropy
+from sparse_rl_mega.learner.weights import as_chunks
 
 _LOSS_INPUTS = ("logp_old", "advantages", "is_weights", "loss_mask", "logp_ref")
 REPORT_KEYS = ("loss_sum", "count", "clipped_tokens", "kept_tokens", "approx_kl_old_sum", "entropy_sum", "kl_ref_sum")
@@ -107,7 +108,7 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
     last row fill the last group and are dropped."""
     from megatron.core import parallel_state as ps
 
-    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    chunks = as_chunks(chunks)
 
     def logprob_loss(mb, logits):
         logp, _ = logprobs_and_entropy(logits, mb["labels"], with_entropy=False)

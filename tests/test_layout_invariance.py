@@ -68,3 +68,25 @@ def test_aggregation_modes_give_different_gradients(gradients):
     grads = gradients["reference"]["float64"]
     a, b = grads["seq-mean-token-mean"]["grads"], grads["token-mean"]["grads"]
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-3
+
+
+def test_tied_embeddings_with_virtual_stages(tmp_path):
+    """Tied input/output embeddings live in chunk 0 of the first pipeline rank and the last chunk of
+    the last one: Megatron sums their gradients across the two; the tied gradient (and every other)
+    equals the single-process one (float64, a random tied Llama)."""
+    from tests.test_learner import RANDOM_MODELS, _build_random_model
+
+    model_dir = _build_random_model(tmp_path / "llama-tied", *RANDOM_MODELS["llama-tied"])
+    grads = {}
+    for name, procs, pp, mbs, parallel in (("reference", 1, 1, 8, {}),
+                                           ("virtual", 2, 2, 2, {"virtual_pipeline_model_parallel_size": 2})):
+        out = tmp_path / f"{name}.pt"
+        proc = run_torchrun(HELPER, model_dir, 1, pp, mbs, out, json.dumps(parallel), nproc=procs)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
+        grads[name] = torch.load(out)["float64"]
+    for mode in AGG_MODES:
+        ref, got = grads["reference"][mode]["grads"], grads["virtual"][mode]["grads"]
+        assert "lm_head.weight" not in ref and ref.keys() == got.keys()
+        scale = max(float(g.abs().max()) for g in ref.values())
+        diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)
+        assert scale > 1e-3 and diff <= TOLERANCE["float64"] * scale, (mode, diff, scale)

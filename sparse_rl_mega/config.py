@@ -634,6 +634,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  "FP8 needs model.transformer_impl: transformer_engine")
         _require(m.dtype == "bfloat16", source, "model.fp8", "FP8 training keeps bfloat16 params: set model.dtype")
     _require(not m.fp8_param or m.fp8 is not None, source, "model.fp8_param", "needs model.fp8")
+    _require(not m.fp8_param or cfg.parallel.use_distributed_optimizer, source, "model.fp8_param",
+             "needs parallel.use_distributed_optimizer: true (only Megatron's distributed optimizer writes its "
+             "fp32 master weights back into FP8 parameters)")
     _check_against_hf_config(cfg, source)
 
 

@@ -73,7 +73,7 @@ class Trainer:
         from sparse_rl_mega.data.jsonl import load_prompt_dataset
         from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
         from sparse_rl_mega.learner.model import build_learner
-        from sparse_rl_mega.learner.weights import load_hf_into_model
+        from sparse_rl_mega.learner.weights import load_hf_into_learner, load_hf_into_model
 
         cfg = self.cfg
         p = cfg.parallel
@@ -93,7 +93,7 @@ class Trainer:
             ensure_model(cfg)
         dist.barrier()
         self.learner = build_learner(cfg)
-        load_hf_into_model(self.learner.modules, cfg.model.path, cfg.model.arch)
+        load_hf_into_learner(self.learner, cfg.model.path, cfg.model.arch)
         if cfg.algorithm.kl_coef > 0:  # frozen reference policy = the initial weights
             from sparse_rl_mega.learner.model import build_reference_model
 
@@ -164,7 +164,9 @@ class Trainer:
                 address = [(host, free_port())]
             dist.broadcast_object_list(address, src=0)
             host, port = address[0]
-            backend = "nccl" if on_gpu else "gloo"
+            # NCCL refuses two members on one GPU: a colocated engine shares rank 0's GPU, so colocated
+            # engines receive over gloo (staged through host memory); separate engines over NCCL
+            backend = "nccl" if on_gpu and r.placement == "separate" else "gloo"
             size = weight_group_size(self.placements)
             if self.rank == 0:
                 self.engine.connect_weight_group(host, port, backend=backend, world_size=size)
@@ -382,7 +384,7 @@ class Trainer:
         if host and self.engine_released:  # a colocated GPU engine takes its memory back first
             self.engine.resume_memory()
             self.engine_released = False
-        if check:
+        if check and not self.release_memory:  # released weights come back undefined until the push
             before = self.engine.dense_logprobs(probe_ids) if host else None
             metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(
                 _max_abs_diff(before, learner_logp) if host else None)
@@ -582,9 +584,11 @@ def run_training(cfg: RunConfig) -> None:
     if world != cfg.world_size:
         raise SystemExit(f"torchrun started {world} processes but the config's parallel section describes "
                          f"{cfg.world_size} (nnodes x nproc_per_node)")
-    dist.init_process_group(backend="gloo" if on_cpu else "nccl")
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # on GPU: NCCL for device tensors, gloo for the CPU tensors of the host-side work (correction,
+    # metrics, the weight pieces streamed to rank 0)
+    dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl")
     trainer = Trainer(cfg)
     ok = False
     try:

@@ -32,7 +32,7 @@ def test_split_merge_round_trip_and_gather_order():
 
 
 def test_padded_width():
-    assert [padded_width(w, 2) for w in (1, 4, 5, 14)] == [4, 4, 8, 16]
+    assert [padded_width(w, 4) for w in (1, 4, 5, 14)] == [4, 4, 8, 16]
     assert padded_width(13, 1) == 13
     with pytest.raises(ValueError, match="not a multiple"):
         cp_positions(14, 2, 0)

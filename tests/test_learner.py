@@ -115,3 +115,15 @@ def test_smollm2_matches_hf_at_pp2(smollm2_dir, tmp_path):
     result = results[smollm2_dir.name]
     assert (result["family"], result["tied"], result["head_dim"]) == ("llama", True, 64)
     _assert_matches_hf(smollm2_dir.name, result)
+
+
+def test_bfloat16_learner_keeps_the_loaded_weights(tiny_model_dir, tmp_path):
+    """A bfloat16 optimizer keeps fp32 master copies made when it is built (random weights); loading
+    the HF model must refresh them, or the first step writes the random weights back. One Adam step
+    with zero gradients leaves the loaded weights exactly (plain and distributed optimizer)."""
+    out = tmp_path / "bf16.json"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "bf16_load_check.py", tiny_model_dir, out, nproc=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for kind, result in json.loads(out.read_text()).items():
+        assert result["as_built"] > 0.01, kind  # the built weights really differ from the HF ones
+        assert result["after_step"] == 0.0, (kind, result)

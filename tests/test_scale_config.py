@@ -53,8 +53,28 @@ def test_te_layer_spec_is_requested_for_transformer_engine(monkeypatch):
     assert layer_spec(local).submodules.self_attention.submodules.core_attention is not AllGatherKVAttention
 
 
+def test_sequence_width_multiple_follows_sp_cp_and_fp8():
+    """Micro-batch widths are padded so that CP chunks, the sequence-parallel split and FP8 GEMMs'
+    16-token (MXFP8: 32) alignment all divide them (TP8 x SP, FP8 on the 70B example)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sparse_rl_mega.learner.model import transformer_config_kwargs
+    from sparse_rl_mega.learner.step import _sequence_multiple
+
+    def multiple(*overrides):
+        cfg = load_config(ROOT / "examples" / "70b_math.yaml", list(overrides))
+        return _sequence_multiple(TransformerConfig(**transformer_config_kwargs(cfg)))
+
+    assert multiple() == 8 * 16
+    assert multiple("model.fp8_recipe=mxfp8") == 8 * 32
+    assert multiple("parallel.context_parallel_size=2") == 4 * 8 * 16
+    assert multiple("model.fp8=null", "parallel.sequence_parallel=false") == 1
+
+
 @pytest.mark.parametrize("edit, message", [
     ("model.fp8_param=true", "model.fp8_param: needs model.fp8"),
+    ("model.fp8=hybrid model.fp8_param=true parallel.use_distributed_optimizer=false",
+     "model.fp8_param: needs parallel.use_distributed_optimizer"),
     ("parallel.recompute=everything", "parallel.recompute"),
     ("model.transformer_impl=local", "the local layer spec's torch norms"),  # the 7B example has SP on
 ])
@@ -62,4 +82,4 @@ def test_scale_settings_are_validated(edit, message):
     from sparse_rl_mega.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        load_config(ROOT / "examples" / "qwen2.5_7b_math.yaml", [edit])
+        load_config(ROOT / "examples" / "qwen2.5_7b_math.yaml", edit.split())

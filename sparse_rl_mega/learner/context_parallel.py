@@ -18,10 +18,16 @@ import torch
 import torch.distributed as dist
 
 
-def padded_width(width: int, cp_size: int) -> int:
-    """``width`` rounded up to a multiple of ``2 * cp_size`` (1 x nothing when CP is off)."""
-    unit = 2 * cp_size if cp_size > 1 else 1
-    return -(-width // unit) * unit
+def width_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False, fp8_align: int = 1) -> int:
+    """What a micro-batch's sequence width must be a multiple of: ``2 * CP`` chunks, each rank's share
+    split over TP with sequence parallelism, and FP8 GEMMs' token alignment (``fp8_align``) on the
+    tokens of one rank."""
+    return (2 * cp_size if cp_size > 1 else 1) * (tp_size if sequence_parallel else 1) * fp8_align
+
+
+def padded_width(width: int, multiple: int) -> int:
+    """``width`` rounded up to a multiple of ``multiple``."""
+    return -(-width // multiple) * multiple
 
 
 def cp_positions(width: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -19,13 +19,27 @@ import torch.distributed as dist
 from sparse_rl_mega.algo.loss import policy_loss
 from sparse_rl_mega.batch import RolloutBatch
 from sparse_rl_mega.config import AlgorithmConfig
-from sparse_rl_mega.learner.context_parallel import gather_sequence, padded_width, split_sequence
+from sparse_rl_mega.learner.context_parallel import gather_sequence, padded_width, split_sequence, width_multiple
 from sparse_rl_mega.learner.model import Learner
 from sparse_rl_mega.learner.vocab_parallel import logprobs_and_entropy
 from sparse_rl_mega.learner.weights import as_chunks
 
 _LOSS_INPUTS = ("logp_old", "advantages", "is_weights", "loss_mask", "logp_ref")
 REPORT_KEYS = ("loss_sum", "count", "clipped_tokens", "kept_tokens", "approx_kl_old_sum", "entropy_sum", "kl_ref_sum")
+
+
+def _device() -> torch.device:
+    """Where the model computes: this rank's GPU, else the CPU. Batches live on the CPU (the
+    correction and metrics run there) and travel to the device per micro-batch."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sequence_multiple(config) -> int:
+    """Width multiple for Megatron's ``config``: CP chunks, sequence-parallel split, and FP8's token
+    alignment (16, 32 for MXFP8, as Megatron pads FP8 inputs)."""
+    fp8_align = (32 if config.fp8_recipe == "mxfp8" else 16) if config.fp8 else 1
+    return width_multiple(config.context_parallel_size, config.tensor_model_parallel_size, config.sequence_parallel,
+                          fp8_align)
 
 
 def _context_parallel() -> tuple[int, int, Optional[dist.ProcessGroup]]:
@@ -36,17 +50,15 @@ def _context_parallel() -> tuple[int, int, Optional[dist.ProcessGroup]]:
     return size, ps.get_context_parallel_rank(), ps.get_context_parallel_group() if size > 1 else None
 
 
-def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool, cp_size: int = 1,
-                  cp_rank: int = 0) -> list[dict]:
-    """Micro-batches of ``batch`` as this rank feeds them to its model: ``[b, S]`` tensors (right-padded
-    to a multiple of 2 x CP and cut to this CP rank's chunks when CP > 1), ``[b]`` advantages, and with
-    CP the whole sequences' kept-token counts (``seq_tokens``)."""
-    width = padded_width(batch.width, cp_size)
-
+def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool, width: int,
+                  cp_size: int = 1, cp_rank: int = 0, device: torch.device = torch.device("cpu")) -> list[dict]:
+    """Micro-batches of ``batch`` as this rank feeds them to its model, on ``device``: ``[b, S]``
+    tensors right-padded to ``width`` (padding is masked out of the loss) and cut to this CP rank's
+    chunks when CP > 1, ``[b]`` advantages, and with CP the whole sequences' kept-token counts
+    (``seq_tokens``)."""
     def local(tensor: torch.Tensor) -> torch.Tensor:  # [b, S] -> [b, width / cp]
-        if cp_size == 1:
-            return tensor
-        return split_sequence(torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])), cp_size, cp_rank)
+        tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])) if width > tensor.shape[1] else tensor
+        return (split_sequence(tensor, cp_size, cp_rank) if cp_size > 1 else tensor).to(device)
 
     positions = torch.arange(width).unsqueeze(0)
     out = []
@@ -59,9 +71,9 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
             for name in _LOSS_INPUTS:
                 value = getattr(batch, name)
                 if value is not None:
-                    mb[name] = value[rows] if value.dim() == 1 else local(value[rows])
+                    mb[name] = value[rows].to(device) if value.dim() == 1 else local(value[rows])
             if cp_size > 1:
-                mb["seq_tokens"] = batch.loss_mask[rows].sum(dim=1)
+                mb["seq_tokens"] = batch.loss_mask[rows].sum(dim=1).to(device)
         out.append(mb)
     return out
 
@@ -119,20 +131,21 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
         chunk.eval()
     mbs = min(micro_batch_size, batch.size)
     cp_size, cp_rank, cp_group = _context_parallel()
-    microbatches = _microbatches(batch, mbs, False, cp_size, cp_rank)
+    width, device = padded_width(batch.width, _sequence_multiple(chunks[0].config)), _device()
+    microbatches = _microbatches(batch, mbs, False, width, cp_size, cp_rank, device)
     fill = _pipeline_fill(chunks)
     while len(microbatches) % fill:
         microbatches.append({k: v[-1:].expand(mbs, *v.shape[1:]) for k, v in microbatches[-1].items()})
-    results = _run_schedule(chunks, microbatches, logprob_loss, padded_width(batch.width, cp_size), mbs, True)
+    results = _run_schedule(chunks, microbatches, logprob_loss, width, mbs, True)
     for chunk in chunks:
         chunk.train(was_training)
     if ps.is_pipeline_last_stage():
         logp = torch.cat([r["logp"] for r in results], dim=0)[:batch.size]
-        logp = gather_sequence(logp, cp_group)[:, :batch.width]
+        logp = gather_sequence(logp, cp_group)[:, :batch.width].contiguous()
     else:
         dtype = torch.promote_types(chunks[0].config.params_dtype, torch.float32)
-        logp = torch.empty(batch.size, batch.width, dtype=dtype)
-    return _broadcast_from_last_stage(logp)
+        logp = torch.empty(batch.size, batch.width, dtype=dtype, device=device)
+    return _broadcast_from_last_stage(logp).cpu()
 
 
 def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
@@ -155,9 +168,11 @@ def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfi
     for chunk in learner.chunks:
         chunk.zero_grad_buffer()
     learner.optimizer.zero_grad()
-    results = _run_schedule(learner.chunks, _microbatches(batch, micro_batch_size, True, cp_size, cp_rank),
-                            corrected_loss, padded_width(batch.width, cp_size), micro_batch_size, False)
-    report = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
+    width, device = padded_width(batch.width, _sequence_multiple(learner.config)), _device()
+    results = _run_schedule(learner.chunks, _microbatches(batch, micro_batch_size, True, width, cp_size, cp_rank,
+                                                          device),
+                            corrected_loss, width, micro_batch_size, False)
+    report = torch.zeros(len(REPORT_KEYS), dtype=torch.float64, device=device)
     for r in results:
         report += r["report"]
     return report

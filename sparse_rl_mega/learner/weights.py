@@ -145,6 +145,14 @@ def load_hf_into_model(modules, hf_dir: str | Path, arch: ArchConfig) -> None:
         del fused
 
 
+def load_hf_into_learner(learner, hf_dir: str | Path, arch: ArchConfig) -> None:
+    """:func:`load_hf_into_model` for a learner's chunks, then its optimizer's master weights are
+    refreshed from them: a bfloat16 optimizer copied fp32 masters of the initial weights when it was
+    built, and its first step would write those back over the loaded ones."""
+    load_hf_into_model(learner.modules, hf_dir, arch)
+    learner.optimizer.reload_model_params()
+
+
 @torch.no_grad()
 def stream_hf_tensors(modules, arch: ArchConfig, dst: int = 0,
                       specs_elsewhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

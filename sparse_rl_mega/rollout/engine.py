@@ -125,6 +125,7 @@ class RolloutEngine:
         self.tp_size = tp_size
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None
+        self._weight_backend = "gloo"
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
@@ -213,6 +214,7 @@ class RolloutEngine:
             ok, message = joined.result()
         if not ok:
             raise RuntimeError(f"engine could not join the weight-update group: {message}")
+        self._weight_backend = backend
 
     def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                           backend: str = "gloo") -> None:
@@ -268,7 +270,9 @@ class RolloutEngine:
                 for bucket in buckets:
                     received = self._request_bucket(pool, bucket)
                     for _, tensor in bucket:
-                        dist.broadcast(tensor.contiguous(), src=0, group=self._weight_group)
+                        # the learner streams CPU tensors; NCCL broadcasts device memory only
+                        tensor = tensor.cuda() if self._weight_backend == "nccl" else tensor.contiguous()
+                        dist.broadcast(tensor, src=0, group=self._weight_group)
                     _check_bucket(received)
         finally:
             self.engine.end_weight_update()

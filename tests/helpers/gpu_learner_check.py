@@ -20,7 +20,7 @@ def main() -> None:
     from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import forward_logprobs
-    from sparse_rl_mega.learner.weights import load_hf_into_model
+    from sparse_rl_mega.learner.weights import load_hf_into_learner
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
@@ -41,7 +41,7 @@ def main() -> None:
                                 "rollout": {"n_samples_per_prompt": 2}, "data": {"train_path": "unused.jsonl",
                                 "prompts_per_iteration": 1}, "trainer": {"global_batch_size": 2, "micro_batch_size": 2}})
         learner = build_learner(cfg)
-        load_hf_into_model(learner.modules, model_dir, cfg.model.arch)
+        load_hf_into_learner(learner, model_dir, cfg.model.arch)
         return forward_logprobs(learner.chunks, batch, 2).float().cpu()
 
     lines = []

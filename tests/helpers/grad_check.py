@@ -46,7 +46,7 @@ def main() -> None:
     from sparse_rl_mega.algo.correction import compute_correction
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import REPORT_KEYS, forward_backward, forward_logprobs
-    from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model
+    from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_learner
 
     dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
     full = synthetic_batch(cfg.model.arch.vocab_size)
@@ -55,7 +55,7 @@ def main() -> None:
     for dtype_name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
         cfg.model.dtype = dtype_name  # float64: rounding out of the way, the algorithm must agree exactly
         learner = build_learner(cfg)
-        load_hf_into_model(learner.modules, model_dir, cfg.model.arch)
+        load_hf_into_learner(learner, model_dir, cfg.model.arch)
         local = full.select(rows)
         dense = forward_logprobs(learner.chunks, local, mbs)
         g = torch.Generator().manual_seed(99)

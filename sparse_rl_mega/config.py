@@ -611,9 +611,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(t.global_batch_size % (dp * t.micro_batch_size) == 0, source, "trainer.global_batch_size",
              f"{t.global_batch_size} must be divisible by data-parallel size x micro_batch_size = "
              f"{dp} x {t.micro_batch_size}")
-    if p.virtual_pipeline_model_parallel_size > 1 and t.global_batch_size % (dp * t.micro_batch_size) == 0:
+    if p.virtual_pipeline_model_parallel_size > 1:  # (the batch divides evenly: checked just above)
         steps_mbs = t.global_batch_size // (dp * t.micro_batch_size)
-        pp = p.pipeline_model_parallel_size
         _require(steps_mbs % pp == 0, source, "trainer.micro_batch_size",
                  f"the interleaved pipeline (virtual_pipeline_model_parallel_size > 1) runs micro-batches in "
                  f"groups of PP={pp}: a step's {steps_mbs} micro-batches per data-parallel rank "

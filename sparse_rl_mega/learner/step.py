@@ -178,17 +178,23 @@ def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfi
     return report
 
 
+def sum_report(report: torch.Tensor) -> torch.Tensor:
+    """A :func:`forward_backward` report summed over the data-parallel and context-parallel ranks (in
+    place, on the last pipeline stage, where the report lives): the global step's sums."""
+    from megatron.core import parallel_state as ps
+
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of rows
+    if ps.is_pipeline_last_stage() and dist.get_world_size(dp_cp_group) > 1:
+        dist.all_reduce(report, group=dp_cp_group)
+    return report
+
+
 def train_step(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
                ) -> dict[str, float]:
     """One optimizer step on this DP rank's share of a global batch; metrics are global (every rank)."""
-    from megatron.core import parallel_state as ps
-
     report = forward_backward(learner, batch, algo, micro_batch_size)
     update_ok, grad_norm, _ = learner.optimizer.step()
-    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    if ps.is_pipeline_last_stage() and dist.get_world_size(dp_cp_group) > 1:
-        dist.all_reduce(report, group=dp_cp_group)
-    values = dict(zip(REPORT_KEYS, _broadcast_from_last_stage(report).tolist()))
+    values = dict(zip(REPORT_KEYS, _broadcast_from_last_stage(sum_report(report)).tolist()))
     kept = max(values["kept_tokens"], 1.0)
     metrics = {"train/loss": values["loss_sum"] / max(values["count"], 1.0),
                "train/clip_fraction": values["clipped_tokens"] / kept,

@@ -45,7 +45,7 @@ def main() -> None:
     from sparse_rl_mega.algo.advantages import grpo_advantages
     from sparse_rl_mega.algo.correction import compute_correction
     from sparse_rl_mega.learner.model import build_learner
-    from sparse_rl_mega.learner.step import REPORT_KEYS, forward_backward, forward_logprobs
+    from sparse_rl_mega.learner.step import REPORT_KEYS, forward_backward, forward_logprobs, sum_report
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_learner
 
     dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
@@ -73,10 +73,7 @@ def main() -> None:
         saved = [p.data.clone() for p in params]
         for mode in AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
-            report = forward_backward(learner, local, cfg.algorithm, mbs)
-            dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of rows
-            if ps.is_pipeline_last_stage() and dist.get_world_size(dp_cp_group) > 1:
-                dist.all_reduce(report, group=dp_cp_group)
+            report = sum_report(forward_backward(learner, local, cfg.algorithm, mbs))
             for p in params:  # expose the reduced, scaled gradients through the weight-gather path
                 p.data.copy_(p.main_grad)
             grads = gather_hf_state_dict(learner.modules, cfg.model.arch)

@@ -4,12 +4,16 @@ Before each decode step allocates its slot, every request whose cached length re
 ``budget + interval`` (and, for policies that score with queries, that has run ``window`` decode
 steps) is compressed to ``budget`` tokens chosen by a policy of ``sparse_rl_mega.kv``:
 
-* position-only policies (StreamingLLM) choose the same tokens in every layer: the request's
-  ``req_to_token`` row is compacted in place (no KV data moves);
-* scoring policies (SnapKV, R-KV, H2O) choose per layer (or per KV head): each layer's kept K/V are
-  copied into slots the request owns (its own decode slots, plus fresh ones when a long shared prompt
-  leaves it too few), so the row then holds layer-specific content and the radix tree's slots are
-  never written.
+* one set for every layer (StreamingLLM, and ``selection: shared`` of the scoring policies, as the
+  paper's release does): the request's ``req_to_token`` row is compacted in place (no KV data moves);
+* a set per layer or per KV head (SnapKV, R-KV, H2O with ``per_layer`` / ``per_head``): each layer's
+  kept K/V are copied into slots the request owns (its own decode slots, plus fresh ones when a long
+  shared prompt leaves it too few), so the row then holds layer-specific content and the radix tree's
+  slots are never written.
+
+At engine TP > 1 every rank scores its own KV heads; per-layer and shared choices all-gather the
+per-head scores over SGLang's TP group first (:func:`tp_head_gather`), so every rank keeps the same
+tokens and the choice does not depend on the TP degree.
 
 In both cases evicted slots the request owns go back to the allocator (the memory the compression
 saves); evicted slots owned by the radix tree (the GRPO group's shared prompt) are only dropped from
@@ -22,7 +26,8 @@ ring of ``window`` per request row. H2O's accumulated attention is added from th
 batched pass whenever the ring is full or the request is about to be compressed (rather than a second
 attention pass every decode step): between compressions a request's keys only grow, so each recorded
 query still sees exactly the keys it saw when it was decoded. A retracted request loses this state and
-restarts dense.
+restarts dense. The hook runs Python on CPU-side state, so a GPU engine with a scoring policy runs
+without CUDA graphs (``sparse_rl_mega.rollout.engine.cuda_graphs_allowed``).
 
 Needs ``page_size=1``, the non-overlap scheduler and no speculative decoding (the engine factory in
 ``sparse_rl_mega.rollout.engine`` sets these).
@@ -32,12 +37,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
-from sglang_patches.settings import REQUEST_KEY, EngineKVSettings
+from sglang_patches.settings import MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, keeps_attention_mass, records_queries, ring_layers
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
@@ -63,6 +68,15 @@ class EngineKVStats:
         self.hook_seconds = 0.0
         self.peak_slots_in_use = 0
         self.pool_size = 0
+        # side buffers beside SGLang's pool: the decode-query ring (allocated once) and H2O's per-request
+        # attention mass (now and at its peak)
+        self.query_ring_bytes = 0
+        self.h2o_mass_bytes = 0
+        self.h2o_mass_peak_bytes = 0
+
+    def observe_mass(self, buffers) -> None:
+        self.h2o_mass_bytes = sum(t.numel() * t.element_size() for t in buffers)
+        self.h2o_mass_peak_bytes = max(self.h2o_mass_peak_bytes, self.h2o_mass_bytes)
 
     def observe_pool(self, allocator: Any) -> None:
         self.pool_size = int(allocator.size)
@@ -82,17 +96,23 @@ class RowState:
     """Per ``req_to_token`` row: recorded decode queries (a ring of ``window``) and, for H2O, the
     attention mass each cached position received from the queries already added (``pending`` more
     wait in the ring). Rows are reused by later requests: the owner is checked before every decode
-    step and a new owner starts empty."""
+    step and a new owner starts empty.
 
-    def __init__(self, window: int, keep_queries: bool, keep_mass: bool):
+    Memory (docs/kv_compression.md, "Side buffers"): the ring is one dense tensor over the request pool
+    (``max_running_requests + 1`` rows) and ``layers`` layers (only the first layer when every request
+    chooses a shared set from it); H2O's mass is held per running request and sized by its current
+    length (at most prompt + budget + interval + 1), never by the model's context length."""
+
+    def __init__(self, window: int, keep_queries: bool, keep_mass: bool, first_layer_only: bool):
         self.window = window
         self.keep_queries = keep_queries
         self.keep_mass = keep_mass
+        self.first_layer_only = first_layer_only  # record / accumulate the first layer only
         self.owner: dict[int, tuple] = {}     # row -> (request id, its retraction count)
         self.steps: dict[int, int] = {}       # row -> decode queries recorded for the owner
         self.pending: dict[int, int] = {}     # row -> recorded queries not yet added to ``mass`` (H2O)
-        self.queries: Optional[torch.Tensor] = None  # [rows, layers, window, q_heads, d]
-        self.mass: Optional[torch.Tensor] = None     # [rows, layers, kv_heads, max_len]
+        self.queries: Optional[torch.Tensor] = None  # [rows, ring layers, window, q_heads, d]
+        self.mass: dict[int, torch.Tensor] = {}      # row -> [ring layers, kv_heads, capacity] float32
 
     def claim(self, row: int, req: Any) -> None:
         key = (req.rid, getattr(req, RETRACTIONS_ATTR, 0))  # rid: unique, unlike id() of a freed object
@@ -100,23 +120,66 @@ class RowState:
             self.owner[row] = key
             self.steps[row] = 0
             self.pending[row] = 0
-            if self.mass is not None:
-                self.mass[row].zero_()
+            if self.mass.pop(row, None) is not None:
+                STATS.observe_mass(self.mass.values())
+
+    def ring_layers(self, layers: int) -> int:
+        return 1 if self.first_layer_only else layers
 
     def ensure_queries(self, rows: int, layers: int, q_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         if self.keep_queries and self.queries is None:
-            self.queries = torch.zeros(rows, layers, self.window, q_heads, head_dim, dtype=dtype, device=device)
+            self.queries = torch.zeros(rows, self.ring_layers(layers), self.window, q_heads, head_dim, dtype=dtype,
+                                       device=device)
+            STATS.query_ring_bytes = self.queries.numel() * self.queries.element_size()
 
-    def ensure_mass(self, rows: int, layers: int, kv_heads: int, max_len: int, device) -> None:
-        if self.keep_mass and self.mass is None:
-            self.mass = torch.zeros(rows, layers, kv_heads, max_len, dtype=torch.float32, device=device)
+    def mass_of(self, row: int, length: int, shape: tuple[int, int], device) -> torch.Tensor:
+        """The row's mass over its first ``length`` positions, ``[ring layers, kv_heads, length]`` (a view;
+        zeros where nothing was added yet). Grows the row's buffer when its request grew past it."""
+        held = self.mass.get(row)
+        if held is None or held.shape[-1] < length:
+            grown = torch.zeros(*shape, length + MASS_HEADROOM, dtype=torch.float32, device=device)
+            if held is not None:
+                grown[..., :held.shape[-1]] = held
+            self.mass[row] = held = grown
+            STATS.observe_mass(self.mass.values())
+        return held[..., :length]
+
+    def keep_mass_at(self, row: int, kept: torch.Tensor) -> None:
+        """After a compression: the row keeps the mass of its kept positions ``kept [layers or 1, h or 1, B]``."""
+        held = self.mass[row]
+        index = kept.expand(held.shape[0], held.shape[1], -1)
+        kept_mass = held.gather(-1, index)
+        held.zero_()
+        held[..., :kept_mass.shape[-1]] = kept_mass
 
     def ring_queries(self, rows: list[int]) -> torch.Tensor:
-        """Each row's whole ring, oldest first: ``[len(rows), layers, q_heads, window, d]``."""
-        order = torch.tensor([[(self.steps[row] + j) % self.window for j in range(self.window)] for row in rows])
+        """Each row's whole ring, oldest first: ``[len(rows), ring layers, q_heads, window, d]``."""
+        order = torch.tensor([[(self.steps[row] + j) % self.window for j in range(self.window)] for row in rows],
+                             device=self.queries.device)
         ring = self.queries[rows]  # [n, layers, window, q_heads, d]
         ring = ring.gather(2, order[:, None, :, None, None].expand_as(ring))
         return ring.transpose(2, 3)
+
+
+def tp_head_gather(total_kv_heads: int) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """With engine TP > 1: a function that all-gathers per-head scores ``[..., local_heads, M]`` (head
+    axis 2) over SGLang's TP group into every head in model order, so a per-layer or shared choice is
+    the same on every rank and at every TP degree. When TP exceeds the KV heads SGLang replicates each
+    head on ``tp / kv_heads`` consecutive ranks: one copy of each is kept. ``None`` at TP 1."""
+    import torch.distributed as dist
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return None
+    replicas = max(1, group.world_size // total_kv_heads)
+
+    def gather(scores: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(scores) for _ in range(group.world_size)]
+        dist.all_gather(parts, scores.contiguous(), group=group.device_group if scores.is_cuda else group.cpu_group)
+        return torch.cat(parts[::replicas], dim=2)
+
+    return gather
 
 
 class Compressor:
@@ -125,14 +188,13 @@ class Compressor:
     def __init__(self, settings: EngineKVSettings):
         self.settings = settings
         self._policies: dict[str, EvictionPolicy] = {}
-        default = self.policy_for(settings) if settings.enabled else None
+        if settings.enabled:
+            self.policy_for(settings)  # a bad setting fails at engine start, not at the first compression
         # with per-request overrides any policy may show up: record what every policy needs
-        any_policy = settings.allow_request_override
-        h2o = bool(default and default.needs_accumulated)
-        self.rows = RowState(settings.window,
-                             keep_queries=any_policy or h2o or bool(default and default.queries_needed),
-                             keep_mass=any_policy or h2o)
+        self.rows = RowState(settings.window, keep_queries=records_queries(settings),
+                             keep_mass=keeps_attention_mass(settings), first_layer_only=ring_layers(settings, 2) == 1)
         self.scaling: Optional[float] = None  # attention scaling, seen by the hook
+        self._gather_heads: Any = False  # resolved at the first compression (the TP group exists then)
         # the scheduler and the model runner share one process (non-overlap, TP per process):
         # the attention hooks reach the pools through these references, set at each decode step
         self.req_to_token: Optional[torch.Tensor] = None
@@ -143,7 +205,8 @@ class Compressor:
         key = json.dumps(settings.to_dict(), sort_keys=True)
         if key not in self._policies:
             policy = build_policy(settings.policy, sink=settings.sink, window=settings.window,
-                                  per_head=settings.per_head, **settings.params)
+                                  selection=settings.selection, shared_scores=settings.shared_scores,
+                                  **settings.params)
             policy.check_budget(settings.budget)
             self._policies[key] = policy
         return self._policies[key]
@@ -170,9 +233,8 @@ class Compressor:
         req_to_token = batch.req_to_token_pool.req_to_token
         allocator = batch.tree_cache.token_to_kv_pool_allocator
         self.req_to_token, self.kv_pool = req_to_token, allocator.get_kvcache()
-        key_buffer = self.kv_pool.get_key_buffer(self.kv_pool.start_layer)
-        self.rows.ensure_mass(req_to_token.shape[0], self.kv_pool.layer_num, key_buffer.shape[1],
-                              req_to_token.shape[1], key_buffer.device)
+        if self._gather_heads is False:
+            self._gather_heads = tp_head_gather(batch.model_config.get_total_num_kv_heads())
         seq_lens = batch.seq_lens_cpu.clone()
         lengths = seq_lens.tolist()
         freed: list[torch.Tensor] = []
@@ -198,15 +260,22 @@ class Compressor:
             if not due:
                 continue
             if policy.position_only:
-                seq_lens[i] = self._compact(req, row, cached, req_to_token, freed, policy, settings)
+                kept = policy.select(None, None, settings.budget, length=cached)
+                seq_lens[i] = self._compact(req, row, cached, kept, req_to_token, freed)
             else:
                 scoring.setdefault((id(policy), cached), []).append((i, req, row, policy, settings))
         if add_mass:
             self._add_pending_mass(add_mass)
         for (_, cached), group in scoring.items():
-            for i, kept_len in self._rewrite(group, cached, req_to_token, allocator, freed,
-                                             decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
-                seq_lens[i] = kept_len
+            if group[0][3].shared:
+                for (i, req, row, _, _), kept in zip(group, self._choose(group, cached)):
+                    seq_lens[i] = self._compact(req, row, cached, kept, req_to_token, freed)
+                    if row in self.rows.mass:
+                        self.rows.keep_mass_at(row, kept[None, None])
+            else:
+                for i, kept_len in self._rewrite(group, cached, req_to_token, allocator, freed,
+                                                 decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
+                    seq_lens[i] = kept_len
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         for row in rows:
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
@@ -234,28 +303,51 @@ class Compressor:
         STATS.dropped_shared_slots += shared_dropped
         STATS.compactions += 1
 
-    def _compact(self, req, row: int, cached: int, req_to_token, freed: list, policy: EvictionPolicy,
-                 settings: EngineKVSettings) -> int:
-        """Position-only policy: the row keeps the chosen slots, in order."""
+    def _compact(self, req, row: int, cached: int, kept: torch.Tensor, req_to_token, freed: list) -> int:
+        """One kept set for every layer (streaming, ``selection: shared``): the row keeps the chosen slots,
+        in order; nothing is copied."""
+        kept = kept.cpu()
         slots = req_to_token[row, :cached].clone()
-        kept = policy.select(None, None, settings.budget, length=cached)
         evicted = torch.ones(cached, dtype=torch.bool)
         evicted[kept] = False
         positions = evicted.nonzero().flatten()
         protected = req.kv.cache_protected_len
         owned = positions[positions >= protected]
-        freed.append(slots[owned])
-        req_to_token[row, :kept.numel()] = slots[kept]
+        freed.append(slots[owned.to(slots.device)])
+        req_to_token[row, :kept.numel()] = slots[kept.to(slots.device)]
         # kept is ascending, so kept tree-owned positions remain a prefix of the row
         self._finish(req, cached, kept.numel(), int((kept < protected).sum()), owned.numel(),
                      positions.numel() - owned.numel())
         return kept.numel()
 
+    def _inputs(self, rows: list[int], slot_matrix: torch.Tensor, cached: int, policy: EvictionPolicy,
+                layers: int) -> tuple:
+        """What ``policy`` scores for these rows: keys ``[n, layers, h, cached, d]`` of the first ``layers``
+        layers, their window queries ``[n, layers, q_heads, w, d]`` and H2O mass ``[n, layers, h, cached]``."""
+        pool = self.kv_pool
+        keys = torch.stack([pool.get_key_buffer(pool.start_layer + j)[slot_matrix] for j in range(layers)], dim=1)
+        keys = keys.transpose(2, 3)
+        window_queries = mass = None
+        if policy.queries_needed:  # the last ``policy.window`` queries of each ring
+            window_queries = self.rows.ring_queries(rows)[:, :layers, :, -policy.window:]
+        if policy.needs_accumulated:
+            shape = (self.rows.ring_layers(pool.layer_num), keys.shape[2])
+            mass = torch.stack([self.rows.mass_of(row, cached, shape, keys.device)[:layers] for row in rows])
+        return keys, window_queries, mass
+
+    def _choose(self, group: list, cached: int) -> torch.Tensor:
+        """Shared selection for requests of one policy and length: ``[n, budget]`` kept positions."""
+        policy, budget = group[0][3], group[0][4].budget
+        rows = [row for _, _, row, _, _ in group]
+        slot_matrix = torch.stack([self.req_to_token[row, :cached].to(torch.int64) for row in rows])
+        inputs = self._inputs(rows, slot_matrix, cached, policy, policy.scored_layers(self.kv_pool.layer_num))
+        return policy.select_layers(*inputs[:2], budget, inputs[2], gather_heads=self._gather_heads or None)
+
     def _rewrite(self, group: list, cached: int, req_to_token, allocator, freed: list, decode_slots: int,
                  tree_cache: Any) -> list[tuple[int, int]]:
-        """Scoring policy, for requests with the same policy and length (scored together): copy each
-        layer's kept K/V into request-owned slots. Returns ``(batch index, kept length)`` per
-        compressed request; a request without room for its copies waits for the next step."""
+        """A set per layer or per KV head, for requests with the same policy and length (scored
+        together): copy each layer's kept K/V into request-owned slots. Returns ``(batch index, kept
+        length)`` per compressed request; a request without room for its copies waits for the next step."""
         from sglang.srt.mem_cache.common import evict_from_tree_cache
 
         policy, budget = group[0][3], group[0][4].budget
@@ -279,39 +371,26 @@ class Compressor:
             members.append((i, req, row, slots, owned, destination, extra is not None))
         if not members:
             return []
-        n = len(members)
-        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+        n, layers = len(members), pool.layer_num
         slot_matrix = torch.stack([m[3] for m in members])  # [n, cached]
-        # [n * layers, cached, h, d], member-major
-        keys = torch.stack([pool.get_key_buffer(layer_id)[slot_matrix] for layer_id in layers], dim=1).flatten(0, 1)
-        values = torch.stack([pool.get_value_buffer(layer_id)[slot_matrix] for layer_id in layers], dim=1).flatten(0, 1)
         member_rows = [m[2] for m in members]
-        window_queries = None
-        if policy.queries_needed:
-            # the last ``policy.window`` queries of each ring: [n * layers, q_heads, window, d]
-            window_queries = self.rows.ring_queries(member_rows)[..., -policy.window:, :].flatten(0, 1)
-        mass = None
-        if policy.needs_accumulated:
-            mass = self.rows.mass[member_rows][..., :cached].flatten(0, 1)  # [n * layers, h, cached]
-        kept = policy.select_layers(keys.transpose(1, 2), window_queries, budget, accumulated=mass)
-        if kept.dim() == 2:  # [n * layers, budget]: one set per layer
-            index = kept[:, :, None, None].expand(-1, -1, *keys.shape[2:])
-            kept_heads = kept.unsqueeze(1).expand(-1, keys.shape[2], -1)
-        else:  # [n * layers, h, budget]: a set per KV head
-            index = kept.transpose(1, 2)[..., None].expand(-1, -1, -1, keys.shape[3])
-            kept_heads = kept
-        new_keys = keys.gather(1, index).unflatten(0, (n, len(layers)))  # [n, layers, budget, h, d]
-        new_values = values.gather(1, index).unflatten(0, (n, len(layers)))
+        keys, window_queries, mass = self._inputs(member_rows, slot_matrix, cached, policy, layers)
+        values = torch.stack([pool.get_value_buffer(pool.start_layer + j)[slot_matrix] for j in range(layers)], dim=1)
+        values = values.transpose(2, 3)  # [n, layers, h, cached, d]
+        kept = policy.select_layers(keys, window_queries, budget, mass, gather_heads=self._gather_heads or None)
+        if kept.dim() == 3:  # [n, layers, budget]: one set per layer
+            kept = kept.unsqueeze(2).expand(-1, -1, keys.shape[2], -1)
+        index = kept.unsqueeze(-1).expand(-1, -1, -1, -1, keys.shape[-1])  # [n, layers, h, budget, d]
+        new_keys = keys.gather(3, index).transpose(2, 3)  # [n, layers, budget, h, d]
+        new_values = values.gather(3, index).transpose(2, 3)
         destinations = torch.stack([m[5] for m in members])  # [n, budget]
-        for position, layer_id in enumerate(layers):
-            pool.get_key_buffer(layer_id)[destinations] = new_keys[:, position]
-            pool.get_value_buffer(layer_id)[destinations] = new_values[:, position]
-        if mass is not None:
-            kept_mass = mass.gather(2, kept_heads).unflatten(0, (n, len(layers)))
-            self.rows.mass[member_rows] = 0.0
-            self.rows.mass[member_rows, :, :, :budget] = kept_mass
+        for j in range(layers):
+            pool.get_key_buffer(pool.start_layer + j)[destinations] = new_keys[:, j]
+            pool.get_value_buffer(pool.start_layer + j)[destinations] = new_values[:, j]
         done = []
-        for i, req, row, slots, owned, destination, borrowed in members:
+        for m, (i, req, row, slots, owned, destination, borrowed) in enumerate(members):
+            if row in self.rows.mass:
+                self.rows.keep_mass_at(row, kept[m, :self.rows.mass[row].shape[0]])
             protected = req.kv.cache_protected_len
             freed.append(owned[:0] if borrowed else owned[budget:])
             req_to_token[row, :budget] = destination.to(req_to_token.dtype)
@@ -322,36 +401,37 @@ class Compressor:
 
     def _add_pending_mass(self, members: list[tuple[int, int]]) -> None:
         """H2O: add the attention the rows' pending recorded queries paid to their cached keys, every
-        layer in one batched pass. ``members``: ``(row, cached length)``."""
+        recorded layer in one batched pass. ``members``: ``(row, cached length)``."""
         pool, req_to_token = self.kv_pool, self.req_to_token
         rows = [row for row, _ in members]
         lengths = torch.tensor([cached for _, cached in members], device=req_to_token.device)
         counts = torch.tensor([self.rows.pending[row] for row in rows], device=req_to_token.device)
         width = int(lengths.max())
         slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
-        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-        keys = torch.stack([pool.get_key_buffer(layer_id)[slots] for layer_id in layers], dim=1)  # [n, layers, L, h, d]
+        layers = self.rows.ring_layers(pool.layer_num)
+        keys = torch.stack([pool.get_key_buffer(pool.start_layer + j)[slots] for j in range(layers)], dim=1)
         queries = self.rows.ring_queries(rows)  # [n, layers, q_heads, window, d]
         n = len(rows)
         mass = window_attention_mass(keys.flatten(0, 1).transpose(1, 2), queries.flatten(0, 1), self.scaling,
-                                     lengths.repeat_interleave(len(layers)), counts.repeat_interleave(len(layers)))
-        self.rows.mass[rows, :, :, :width] += mass.unflatten(0, (n, len(layers)))
-        for row in rows:
+                                     lengths.repeat_interleave(layers), counts.repeat_interleave(layers))
+        mass = mass.unflatten(0, (n, layers))  # [n, layers, h, width]
+        for r, (row, cached) in enumerate(members):
+            self.rows.mass_of(row, cached, mass.shape[1:3], mass.device).add_(mass[r, ..., :cached])
             self.rows.pending[row] = 0
 
     # ------------------------------------------------------------------ hooks on the model side
     def record(self, layer, q: torch.Tensor, forward_batch) -> None:
-        """Decode step, before attention: store this step's query per request row."""
-        if not self.rows.keep_queries:
+        """Decode step, before attention: store this step's query per request row (ring layers only)."""
+        pool = self.kv_pool
+        layer_index = layer.layer_id - pool.start_layer
+        if not self.rows.keep_queries or layer_index >= self.rows.ring_layers(pool.layer_num):
             return
         rows, positions = self.step_slots
         q = q.view(rows.numel(), layer.tp_q_head_num, -1)
-        pool = self.kv_pool
         self.scaling = layer.scaling
         self.rows.ensure_queries(self.req_to_token.shape[0], pool.layer_num, layer.tp_q_head_num, q.shape[-1],
                                  q.dtype, q.device)
-        self.rows.queries[rows, layer.layer_id - pool.start_layer, positions] = q.detach()
-
+        self.rows.queries[rows, layer_index, positions] = q.detach()
 
 
 def kv_pool_allocation(scheduler: Any) -> dict:

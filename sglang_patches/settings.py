@@ -18,8 +18,9 @@ class EngineKVSettings:
     sink: int = 4
     window: int = 8
     interval: int = 128
-    per_head: bool = False
-    params: dict = field(default_factory=dict)  # policy-specific (kernel, pool, lam, similarity_threshold)
+    selection: str = "per_layer"  # per_layer | per_head | shared (sparse_rl_mega.kv.policies)
+    shared_scores: str = "first_layer"  # shared selection: first_layer | layer_sum
+    params: dict = field(default_factory=dict)  # policy-specific (kernel, pool, gqa_pool, lam, similarity_threshold)
     # newline trigger: also compress when past the budget and the token about to be decoded is one of these
     newline_token_ids: list = field(default_factory=list)
     # let requests choose their own policy/budget (benchmarks and evaluation compare policies on one
@@ -52,3 +53,43 @@ class EngineKVSettings:
     def from_env(cls) -> "EngineKVSettings":
         raw = os.environ.get(ENV_VAR)
         return cls(**json.loads(raw)) if raw else cls()
+
+
+# side buffers of the KV patch beside SGLang's pool (docs/kv_compression.md, "Side buffers")
+MASS_HEADROOM = 64  # H2O: a row's mass buffer grows in steps of this many positions beyond its length
+DEFAULT_RUNNING_REQUESTS = 512  # GPU engines whose policy keeps side buffers, when max_running_requests is unset
+
+
+def records_queries(settings: EngineKVSettings) -> bool:
+    """The engine records decode queries (every policy but streaming scores with them or with H2O's mass)."""
+    return settings.allow_request_override or settings.policy not in ("none", "streaming")
+
+
+def keeps_attention_mass(settings: EngineKVSettings) -> bool:
+    return settings.allow_request_override or settings.policy == "h2o"
+
+
+def ring_layers(settings: EngineKVSettings, layers: int) -> int:
+    """Layers the query ring (and H2O's mass) hold: only the first when every request chooses one shared
+    set from the first layer's scores."""
+    first_only = (not settings.allow_request_override and settings.selection == "shared"
+                  and settings.shared_scores == "first_layer")
+    return 1 if first_only else layers
+
+
+def side_buffer_bytes(settings: EngineKVSettings, *, running_requests: int, layers: int, q_heads: int,
+                      kv_heads: int, head_dim: int, dtype_bytes: int, prompt_tokens: int) -> dict[str, int]:
+    """Bytes one engine TP rank holds beside its KV pool (``q_heads`` / ``kv_heads``: this rank's):
+
+    * ``query_ring``: ``[running_requests + 1, ring layers, window, q_heads, head_dim]`` in the model's
+      dtype (SGLang's request pool has one padding row);
+    * ``h2o_mass``: float32 ``[ring layers, kv_heads, length + MASS_HEADROOM]`` per running request, its
+      length at most ``prompt_tokens + budget + interval + 1``."""
+    used = ring_layers(settings, layers)
+    ring = mass = 0
+    if records_queries(settings):
+        ring = (running_requests + 1) * used * settings.window * q_heads * head_dim * dtype_bytes
+    if keeps_attention_mass(settings):
+        longest = prompt_tokens + settings.budget + settings.interval + 1
+        mass = running_requests * used * kv_heads * (longest + MASS_HEADROOM) * 4
+    return {"query_ring": ring, "h2o_mass": mass}

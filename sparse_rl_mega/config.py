@@ -113,29 +113,35 @@ class ParallelConfig:
 
 @dataclass
 class KVCompressionConfig:
-    """Per-request KV eviction during decode (prefill is never compressed).
+    """Per-request KV eviction during decode (prefill is never compressed); docs/kv_compression.md.
 
     Once a request's KV length reaches ``budget + interval`` it is compressed back to ``budget``
-    tokens: ``sink`` first tokens + ``window`` most recent + the policy's choice for the rest.
-    ``snapkv`` and ``rkv`` score with the last ``window`` decode queries (so they first compress after
-    ``window`` decode steps); ``h2o`` with the attention each key received from every decode query."""
+    tokens: ``sink`` first tokens + the policy's choice among the older tokens + the ``window`` most
+    recent. ``snapkv`` and ``rkv`` score as the published code does, with the last ``window`` decode
+    queries (so they first compress after ``window`` decode steps); ``h2o`` with the attention each key
+    received from every decode query. The paper's runs: ``rkv``, ``sink: 0``, ``selection: shared``."""
     policy: Literal["none", "streaming", "snapkv", "rkv", "h2o"] = "none"
     budget: int = 512
-    sink: int = 4
+    sink: int = 4                 # first tokens always kept (StreamingLLM's sinks; the published R-KV/SnapKV: 0)
     window: int = 8
     interval: int = 128
-    per_head: bool = False        # a kept set per KV head instead of one per layer (scoring policies)
+    # scoring policies: one kept set per layer (KV heads' scores summed), per KV head (R-KV's own code),
+    # or one set for every layer of a request (the paper's release; the engine then copies no K/V)
+    selection: Literal["per_layer", "per_head", "shared"] = "per_layer"
+    shared_scores: Literal["first_layer", "layer_sum"] = "first_layer"  # shared: scores of the first layer (release) or all
     # "newline": also compress whenever past the budget and the token about to be decoded ends a line
     trigger: Literal["length", "newline"] = "length"
     kernel: int = 7               # snapkv / rkv: pooling kernel along the sequence (odd)
-    pool: Literal["max", "avg"] = "max"  # snapkv: pooling mode
-    lam: float = 0.1              # rkv: importance weight (1 - lam weighs redundancy)
+    pool: Literal["max", "avg"] = "max"  # snapkv / rkv: pooling mode (release: max; original SnapKV: avg)
+    gqa_pool: Literal["max", "mean"] = "max"  # snapkv / rkv: over a KV head's query heads, on the logits
+    lam: float = 0.1              # rkv: importance weight (1 - lam weighs redundancy); R-KV's own default 0.07
     similarity_threshold: float = 0.5  # rkv: cosine similarity above which keys are near-duplicates
 
     def policy_params(self) -> dict:
-        """The keyword arguments of this policy's class beyond sink/window/per_head."""
-        return {"snapkv": {"kernel": self.kernel, "pool": self.pool},
-                "rkv": {"kernel": self.kernel, "lam": self.lam, "similarity_threshold": self.similarity_threshold},
+        """The keyword arguments of this policy's class beyond sink/window/selection."""
+        importance = {"kernel": self.kernel, "pool": self.pool, "gqa_pool": self.gqa_pool}
+        return {"snapkv": importance,
+                "rkv": {**importance, "lam": self.lam, "similarity_threshold": self.similarity_threshold},
                 }.get(self.policy, {})
 
 
@@ -581,8 +587,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         _require(kv.kernel >= 1 and kv.kernel % 2 == 1, source, "rollout.kv_compression.kernel",
                  f"must be odd and >= 1, got {kv.kernel}")
         _require(0.0 <= kv.lam <= 1.0, source, "rollout.kv_compression.lam", f"must be in [0, 1], got {kv.lam}")
-        _require(not (kv.per_head and kv.policy == "streaming"), source, "rollout.kv_compression.per_head",
-                 "streaming selects by position, the same tokens for every head")
+        _require(not (kv.selection == "per_head" and kv.policy == "streaming"), source,
+                 "rollout.kv_compression.selection",
+                 "streaming selects by position, the same tokens for every head and layer (per_head is for scoring policies)")
 
     rw = cfg.reward
     _require(0.0 < rw.timeout_s <= 600.0, source, "reward.timeout_s",

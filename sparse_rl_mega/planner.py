@@ -15,8 +15,10 @@ Learner (one GPU = one Megatron rank; the worst pipeline stage is reported):
 * a frozen reference copy of the parameters when ``algorithm.kl_coef > 0``.
 
 Engine (one GPU = one engine TP rank): weights of one TP shard, KV bytes per token, and the KV pool
-SGLang sizes as ``mem_fraction_static x free memory at start - weights`` (capped by
-``rollout.max_total_tokens``), with the requests it holds at once densely and compressed.
+SGLang sizes as ``mem_fraction_static x free memory at start - weights - side buffers`` (capped by
+``rollout.max_total_tokens``), with the requests it holds at once densely and compressed. Side buffers:
+the KV patch's decode-query ring and H2O's attention mass (``side_buffer_bytes``), which the engine
+takes out of ``mem_fraction_static`` before SGLang sizes its pool.
 
 Colocated placement, the assumption made: the engine releases its weights and KV pool while the
 learner trains (SGLang's ``release_memory_occupation``), and the learner's model states (parameters,
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_patches.admission import compressed_bound
-from sglang_patches.settings import EngineKVSettings
+from sglang_patches.settings import DEFAULT_RUNNING_REQUESTS, EngineKVSettings, records_queries, side_buffer_bytes
 from sparse_rl_mega.config import ArchConfig, RunConfig
 
 GIB = 1 << 30
@@ -164,6 +166,13 @@ class EngineMemory:
     sparse_tokens: int         # the same under compression (admission rule), = dense without
     requests_per_engine: int   # samples of one iteration per engine
     max_running_requests: int | None
+    side_buffers: dict = field(default_factory=dict)  # KV patch's buffers beside the pool, bytes by name
+    side_running: int = 0      # running requests the side buffers are sized for
+    cuda_graphs: str = ""      # whether the engine captures CUDA graphs, and why not
+
+    @property
+    def side_bytes(self) -> int:
+        return sum(self.side_buffers.values())
 
     @property
     def pool_bytes(self) -> int:
@@ -244,9 +253,17 @@ def request_kv_tokens(cfg: RunConfig, prompt_tokens: int) -> tuple[int, int]:
     dense = prompt_tokens + max_new
     if kv.policy == "none":
         return dense, dense
-    settings = EngineKVSettings(policy=kv.policy, budget=kv.budget, sink=kv.sink, window=kv.window,
-                                interval=kv.interval)
-    return dense, prompt_tokens + min(max_new, compressed_bound(settings))
+    return dense, prompt_tokens + min(max_new, compressed_bound(engine_settings(cfg)))
+
+
+def engine_settings(cfg: RunConfig) -> EngineKVSettings:
+    """The KV settings the trainer starts its engines with (per-request overrides when the held-out
+    evaluation asks for KV settings other than the rollout's)."""
+    kv = cfg.rollout.kv_compression
+    override = cfg.eval.path is not None and any(item.strip() != "rollout" for item in cfg.eval.kv.split(","))
+    return EngineKVSettings(policy=kv.policy, budget=kv.budget, sink=kv.sink, window=kv.window, interval=kv.interval,
+                            selection=kv.selection, shared_scores=kv.shared_scores, params=kv.policy_params(),
+                            allow_request_override=override)
 
 
 def engine_memory(cfg: RunConfig, gpu_bytes: int, prompt_tokens: int, resident_bytes: int = 0) -> EngineMemory:
@@ -258,7 +275,15 @@ def engine_memory(cfg: RunConfig, gpu_bytes: int, prompt_tokens: int, resident_b
     kv_heads = engine_kv_heads(a, tp)
     per_token = 2 * a.num_layers * kv_heads * a.kv_channels * dtype_bytes  # K and V [layers, kv_heads, d]
     free = max(0, gpu_bytes - resident_bytes)
-    static = int(free * r.mem_fraction_static)
+    settings = engine_settings(cfg)
+    side, running, graphs = {}, 0, "CUDA graphs on"
+    if records_queries(settings):  # rollout/engine.py: taken out of mem_fraction_static before SGLang sizes its pool
+        running = r.max_running_requests or DEFAULT_RUNNING_REQUESTS
+        side = side_buffer_bytes(settings, running_requests=running, layers=a.num_layers,
+                                 q_heads=a.num_attention_heads // tp, kv_heads=kv_heads, head_dim=a.kv_channels,
+                                 dtype_bytes=dtype_bytes, prompt_tokens=prompt_tokens)
+        graphs = "CUDA graphs off (the policy records decode queries in a Python hook)"
+    static = int(free * r.mem_fraction_static) - sum(side.values())
     pool_tokens = max(0, static - n * dtype_bytes) // per_token
     if r.max_total_tokens:
         pool_tokens = min(pool_tokens, r.max_total_tokens)
@@ -267,7 +292,8 @@ def engine_memory(cfg: RunConfig, gpu_bytes: int, prompt_tokens: int, resident_b
                         kv_bytes_per_token=per_token, free_bytes=free, static_bytes=static, pool_tokens=pool_tokens,
                         dense_tokens=dense, sparse_tokens=sparse,
                         requests_per_engine=math.ceil(cfg.samples_per_iteration / r.num_engines),
-                        max_running_requests=r.max_running_requests)
+                        max_running_requests=r.max_running_requests, side_buffers=side, side_running=running,
+                        cuda_graphs=graphs)
 
 
 def plan_memory(cfg: RunConfig, gpu_memory_gb: float = 80.0, prompt_tokens: int = 512) -> MemoryPlan:
@@ -344,11 +370,18 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
         f"  KV per token {em.kv_bytes_per_token:>9,} B    (2 x {m.arch.num_layers} layers x {em.kv_heads} KV head(s) "
         f"x {m.arch.kv_channels} x {DTYPE_BYTES[m.dtype]} B{replicated})",
         f"  static       {gib(em.static_bytes):>9} GiB  (mem_fraction_static {r.mem_fraction_static} "
-        f"x {gib(em.free_bytes)} GiB free at start)",
+        f"x {gib(em.free_bytes)} GiB free at start{' - side buffers' if em.side_bytes else ''})",
         f"  KV pool      {gib(em.pool_bytes):>9} GiB  = {em.pool_tokens:,} tokens{capped}",
         f"  per request  dense {em.dense_tokens:,} tokens -> {em.dense_concurrent:,} concurrent; {sparse}",
         f"  demand       {em.requests_per_engine:,} samples per iteration per engine{running}",
     ]
+    if em.side_bytes:
+        ring, mass = em.side_buffers["query_ring"], em.side_buffers["h2o_mass"]
+        lines.append(f"  side buffers {gib(em.side_bytes):>9} GiB  (query ring {gib(ring)} GiB"
+                     f"{f', H2O mass {gib(mass)} GiB' if mass else ''} for {em.side_running:,} running requests; "
+                     f"taken out before SGLang sizes its pool)")
+    if r.kv_compression.policy != "none" or em.side_bytes:
+        lines.append(f"  GPU engine   {em.cuda_graphs}")
     if plan.colocated:
         lines.append(
             "assumption colocated: the engine releases its weights and KV pool while the learner trains (SGLang "

@@ -118,6 +118,13 @@ class Trainer:
             self.sync_weights(PhaseTimer(), None)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
 
+    def longest_prompt_tokens(self) -> int:
+        """Tokens of the longest training or held-out prompt: bounds H2O's side buffer on a GPU engine."""
+        from sparse_rl_mega.data.formatting import encode_prompt
+
+        prompts = [r.prompt for r in self.dataset.records] + list(getattr(self, "eval_prompts", []) or [])
+        return max(len(p) if isinstance(p, list) else len(encode_prompt(self.tokenizer, p)) for p in prompts)
+
     def start_engines(self) -> None:
         """Every engine host starts its engine (with its reward scorer); with the broadcast sync, rank 0
         and every engine join one weight group (sparse_rl_mega/rollout/placement.py)."""
@@ -153,7 +160,8 @@ class Trainer:
                                         max_running_requests=r.max_running_requests,
                                         mem_fraction_static=r.mem_fraction_static,
                                         attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size,
-                                        base_gpu_id=self.placement.first_device, memory_saver=self.release_memory)
+                                        base_gpu_id=self.placement.first_device, memory_saver=self.release_memory,
+                                        prompt_tokens=self.longest_prompt_tokens() if on_gpu else 0, log=log)
             log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
         if cfg.trainer.sync_method == "broadcast":
             from sparse_rl_mega.ports import free_port

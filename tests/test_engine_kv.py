@@ -17,19 +17,26 @@ TOL = 1e-4
 POLICY_CASES = {
     "streaming": {"policy": "streaming"},
     "snapkv": {"policy": "snapkv", "params": {"kernel": 3, "pool": "max"}},
-    "snapkv-per-head": {"policy": "snapkv", "per_head": True, "params": {"kernel": 3, "pool": "avg"}},
+    "snapkv-per-head": {"policy": "snapkv", "selection": "per_head", "params": {"kernel": 3, "pool": "avg",
+                                                                                "gqa_pool": "mean"}},
     "rkv": {"policy": "rkv", "params": {"kernel": 3, "lam": 0.1, "similarity_threshold": 0.5}},
-    "rkv-per-head": {"policy": "rkv", "per_head": True, "params": {"kernel": 3, "lam": 0.5, "similarity_threshold": 0.3}},
+    "rkv-per-head": {"policy": "rkv", "selection": "per_head",
+                     "params": {"kernel": 3, "lam": 0.5, "similarity_threshold": 0.3}},
+    # the paper's release: one set per request for every layer, from the first layer's scores (no K/V copies)
+    "rkv-shared": {"policy": "rkv", "selection": "shared", "sink": 0},
+    "snapkv-shared-layer-sum": {"policy": "snapkv", "selection": "shared", "shared_scores": "layer_sum"},
     "h2o": {"policy": "h2o"},
-    "h2o-per-head": {"policy": "h2o", "per_head": True},
+    "h2o-per-head": {"policy": "h2o", "selection": "per_head"},
+    "h2o-shared": {"policy": "h2o", "selection": "shared"},
     # interval > window: the engine adds H2O's attention mass when its query ring fills, between compressions
     "h2o-interval-7": {"policy": "h2o", "interval": 7},
 }
 
 
 def _policy(case):
-    return build_policy(case["policy"], sink=ENGINE_KV["sink"], window=ENGINE_KV["window"],
-                        per_head=case.get("per_head", False), **case.get("params", {}))
+    return build_policy(case["policy"], sink=case.get("sink", ENGINE_KV["sink"]), window=ENGINE_KV["window"],
+                        selection=case.get("selection", "per_layer"),
+                        shared_scores=case.get("shared_scores", "first_layer"), **case.get("params", {}))
 
 
 def _check_samples(samples, hf_model, case):
@@ -38,6 +45,7 @@ def _check_samples(samples, hf_model, case):
     for s in samples:
         evicted_logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, _policy(case), ENGINE_KV["budget"],
                                              case.get("interval", ENGINE_KV["interval"]))
+        assert len(evicted_logp) == len(s.logp_sparse)
         gap = max(abs(a - b) for a, b in zip(evicted_logp, s.logp_sparse))
         assert gap < TOL, (case, gap)
         if evicted:  # eviction changed the sampler: the dense policy disagrees somewhere

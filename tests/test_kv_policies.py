@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparse_rl_mega.kv import POLICIES, build_policy, should_compress
-from sparse_rl_mega.kv.policies import decode_attention_mass, window_attention_mass
+from sparse_rl_mega.kv.policies import decode_attention_mass, key_redundancy, window_attention_mass
 
 KV_HEADS, Q_HEADS, LENGTH, WINDOW, DIM = 2, 4, 23, 4, 8
 
@@ -18,90 +18,178 @@ def _tensors(seed=0):
     return keys, queries
 
 
-def _window_probs(keys, queries):
-    """probs[h][i][j]: softmax over visible keys of query i (cache position LENGTH - WINDOW + i)."""
-    group = Q_HEADS // KV_HEADS
-    out = [[[0.0] * LENGTH for _ in range(WINDOW)] for _ in range(Q_HEADS)]
-    for h in range(Q_HEADS):
-        for i in range(WINDOW):
-            visible = LENGTH - WINDOW + i + 1
-            logits = [float(queries[h, i] @ keys[h // group, j]) / math.sqrt(DIM) for j in range(visible)]
-            top = max(logits)
-            exps = [math.exp(x - top) for x in logits]
-            for j in range(visible):
-                out[h][i][j] = exps[j] / sum(exps)
+# ---------------------------------------------------------------------------------------------
+# The published scoring, written again from a reading of the authors' code (the paper's release,
+# sglang-kvc/python/sglang/compress/r1kv_utils.py: compute_attention_scores, cal_similarity,
+# KVCluster.get_compress_indices with attn_pooling="max", pooling="maxpool", mix_alpha=0.1 as built
+# in srt/managers/tp_worker.py; R-KV's rkv/utils.py and rkv/compression/r1_kv.py, snapkv.py), one
+# head, one query and one key at a time. It shares no code with sparse_rl_mega.kv.policies.
+
+
+def _softmax(values):
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def published_importance(keys, queries, kv_head, gqa_pool="max", kernel=7, pool="max"):
+    """The window's attention to the keys before it: logits of every query head of the group, pooled
+    over the group (max or mean) before the softmax; softmax over the keys before the window; mean over
+    the window's queries; pooled along the sequence with kernel // 2 zero padding at both ends."""
+    q_heads, window, dim = queries.shape
+    kv_heads, length, _ = keys.shape
+    group, older = q_heads // kv_heads, length - window
+    mean_probs = [0.0] * older
+    for i in range(window):
+        # logits[g][j]: query head g of the group against key j, one key vector at a time
+        logits = [(keys[kv_head, :older].double() @ queries[kv_head * group + g, i].double() / math.sqrt(dim)).tolist()
+                  for g in range(group)]
+        pooled = [max(col) if gqa_pool == "max" else sum(col) / group for col in zip(*logits)]
+        for j, p in enumerate(_softmax(pooled)):
+            mean_probs[j] += p / window
+    half, out = kernel // 2, []
+    for j in range(older):
+        part = [mean_probs[t] for t in range(j - half, j + half + 1) if 0 <= t < older]
+        out.append(max(part) if pool == "max" else sum(part) / kernel)  # avg_pool1d counts the padding
     return out
 
 
-def _pool(row, kernel, mode):
-    half = kernel // 2
-    res = []
-    for j in range(len(row)):
-        part = row[max(0, j - half):j + half + 1]
-        res.append(max(part) if mode == "max" else sum(part) / len(part))
-    return res
+def published_redundancy(keys, kv_head, threshold=0.5):
+    """cal_similarity: cosine similarities (k / (|k| + 1e-8)), diagonal 0; in row i zero the entry of
+    the last j with similarity > threshold (j = 0 when none); mean of each column over the rows; softmax."""
+    k = keys[kv_head].double()
+    unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    length = k.shape[0]
+    sim = (unit @ unit.T).tolist()
+    for i in range(length):
+        sim[i][i] = 0.0
+    for i in range(length):
+        above = [j for j in range(length) if sim[i][j] > threshold]
+        sim[i][max(above) if above else 0] = 0.0
+    return _softmax([sum(sim[i][j] for i in range(length)) / length for j in range(length)])
 
 
-def test_snapkv_score_is_pooled_window_attention():
-    keys, queries = _tensors()
-    policy = POLICIES["snapkv"](sink=2, window=WINDOW, kernel=5, pool="avg")
-    probs = _window_probs(keys, queries)
-    group = Q_HEADS // KV_HEADS
-    for kv in range(KV_HEADS):
-        raw = [sum(probs[h][i][j] for h in range(kv * group, (kv + 1) * group) for i in range(WINDOW))
-               / (group * WINDOW) for j in range(LENGTH)]
-        expected = _pool(raw, 5, "avg")
-        assert torch.allclose(policy.score(keys, queries)[kv].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+def published_score(name, keys, queries, kv_head, lam=0.1, **importance):
+    imp = published_importance(keys, queries, kv_head, **importance)
+    if name == "snapkv":
+        return imp
+    red = published_redundancy(keys, kv_head)
+    return [lam * a - (1 - lam) * r for a, r in zip(imp, red)]
 
 
-def test_rkv_score_is_importance_minus_redundancy():
-    keys, queries = _tensors(1)
-    lam, tau = 0.3, 0.5
-    policy = POLICIES["rkv"](sink=0, window=WINDOW, lam=lam, kernel=3, similarity_threshold=tau)
-    probs = _window_probs(keys, queries)
-    group = Q_HEADS // KV_HEADS
-    for kv in range(KV_HEADS):
-        mean_per_head = [[sum(probs[h][i][j] for i in range(WINDOW)) / WINDOW for j in range(LENGTH)]
-                         for h in range(kv * group, (kv + 1) * group)]
-        importance = _pool([max(col) for col in zip(*mean_per_head)], 3, "max")
-        unit = [keys[kv, j] / keys[kv, j].norm() for j in range(LENGTH)]
-        sim = [[0.0 if a == b else float(unit[a] @ unit[b]) for b in range(LENGTH)] for a in range(LENGTH)]
-        mean_sim = []
-        for a in range(LENGTH):
-            has_later_duplicate = any(sim[a][b] > tau for b in range(a + 1, LENGTH))
-            mean_sim.append(sum(sim[a]) / (LENGTH - 1) if has_later_duplicate else 0.0)
-        top = max(mean_sim)
-        exps = [math.exp(x - top) for x in mean_sim]
-        redundancy = [e / sum(exps) for e in exps]
-        expected = [lam * i - (1 - lam) * r for i, r in zip(importance, redundancy)]
-        assert torch.allclose(policy.score(keys, queries)[kv].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+def published_kept(name, layer_keys, layer_queries, budget, selection, shared_scores="first_layer", sink=0,
+                   lam=0.1, **importance):
+    """Kept positions: the window + the top (budget - sink - window) older keys by score (ties: older
+    first) + ``sink`` first tokens. Per head: each head its own; per layer: summed over heads; shared:
+    the first layer's summed scores (the release) or every layer's (layer_sum), one set for all layers."""
+    layers = len(layer_keys)
+    kv_heads, length, _ = layer_keys[0].shape
+    window = layer_queries[0].shape[1]
+    scores = [[published_score(name, layer_keys[l], layer_queries[l], h, lam, **importance)
+               for h in range(kv_heads)] for l in range(layers)]
+
+    def top(values):
+        ranked = sorted(range(sink, length - window), key=lambda j: (-values[j], j))
+        return sorted(list(range(sink)) + ranked[:budget - sink - window] + list(range(length - window, length)))
+
+    if selection == "per_head":
+        return [[top(scores[l][h]) for h in range(kv_heads)] for l in range(layers)]
+    per_layer = [[sum(scores[l][h][j] for h in range(kv_heads)) for j in range(length - window)] for l in range(layers)]
+    if selection == "per_layer":
+        return [top(v) for v in per_layer]
+    used = 1 if shared_scores == "first_layer" else layers
+    return top([sum(per_layer[l][j] for l in range(used)) for j in range(length - window)])
 
 
-def test_rkv_penalises_the_older_of_near_duplicates():
+def _published_inputs(seed, duplicates, layers=2, kv_heads=2, q_heads=8, length=96, dim=32, window=8):
+    """Random float32 keys and queries; ``duplicates``: most keys are noisy copies of a few directions."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(layers, kv_heads, length, dim, generator=g)
+    if duplicates:
+        bases = torch.randn(layers, kv_heads, 6, dim, generator=g)
+        pick = torch.randint(0, 6, (length,), generator=g)
+        keys = bases[:, :, pick] * (1 + torch.rand(layers, kv_heads, length, 1, generator=g)) \
+            + 0.05 * keys
+    queries = torch.randn(layers, q_heads, window, dim, generator=g) * 2
+    return keys, queries
+
+
+@pytest.mark.parametrize("name", ["snapkv", "rkv"])
+@pytest.mark.parametrize("selection", ["per_layer", "per_head", "shared", "shared-layer_sum"])
+@pytest.mark.parametrize("duplicates", [False, True])
+def test_policies_keep_what_the_published_code_keeps(name, selection, duplicates):
+    keys, queries = _published_inputs(seed=7 + duplicates, duplicates=duplicates)
+    selection, _, shared_scores = selection.partition("-")
+    shared_scores = shared_scores or "first_layer"
+    budget = 64
+    policy = build_policy(name, sink=0, window=8, selection=selection, shared_scores=shared_scores)
+    kept = policy.select_layers(keys[None], queries[None], budget)[0].tolist()
+    assert kept == published_kept(name, keys, queries, budget, selection, shared_scores)
+
+
+def test_the_issue_shapes_agree_with_the_published_code():
+    """The shapes of the issue that found the gaps: 2 KV heads, 16 query heads, head_dim 128, 640 tokens,
+    budget 512, window 8, a share of near-duplicate keys; float32, release settings (shared from layer 0)."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 640, 128, generator=g)
+    keys[0, :, 100:300:2] = keys[0, :, 101:301:2] * 1.02 + 0.01 * torch.randn(1, 2, 100, 128, generator=g)
+    queries = torch.randn(1, 16, 8, 128, generator=g)
+    for name in ("rkv", "snapkv"):
+        for selection in ("shared", "per_head"):
+            policy = build_policy(name, sink=0, window=8, selection=selection)
+            expected = published_kept(name, [keys[0]], [queries[0]], 512, selection)
+            kept = policy.select_layers(keys[None], queries[None], 512)[0].tolist()
+            assert kept == expected, (name, selection)
+
+
+@pytest.mark.parametrize("gqa_pool, pool", [("mean", "avg"), ("max", "avg"), ("mean", "max")])
+def test_importance_options_follow_the_published_options(gqa_pool, pool):
+    keys, queries = _published_inputs(seed=2, duplicates=False, layers=1, length=40)
+    policy = build_policy("snapkv", sink=0, window=8, selection="per_head", kernel=5, gqa_pool=gqa_pool, pool=pool)
+    scores = policy.score(keys[0], queries[0])
+    for h in range(keys.shape[1]):
+        expected = published_importance(keys[0], queries[0], h, gqa_pool=gqa_pool, kernel=5, pool=pool)
+        assert torch.allclose(scores[h].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+
+
+def test_rkv_redundancy_penalises_the_older_of_near_duplicates():
     keys = torch.eye(6, dtype=torch.float64).unsqueeze(0)  # orthogonal keys ...
-    keys[0, 4] = keys[0, 1]                                 # ... but key 4 repeats key 1
-    redundancy = POLICIES["rkv"](sink=0, window=2).redundancy(keys)[0]
-    assert redundancy[1] > redundancy[4]  # the older copy is redundant, the most recent one protected
-    assert torch.allclose(redundancy[[0, 2, 3, 4, 5]], redundancy[0].expand(5))
+    keys[0, 3] = keys[0, 4] = keys[0, 1]                    # ... but keys 3 and 4 repeat key 1
+    redundancy = key_redundancy(keys, 0.5)[0]
+    # each copy's row zeroes its entry to its last copy: column 1 keeps two entries, column 3 one
+    # (row 1's), column 4 none (the most recent copy is protected)
+    assert redundancy[1] > redundancy[3] > redundancy[4] and torch.isclose(redundancy[4], redundancy[2])
+    assert torch.allclose(redundancy.double(), torch.tensor(published_redundancy(keys, 0), dtype=torch.float64), atol=1e-7)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_selection_keeps_sink_window_and_top_scores(per_head):
+def test_selection_keeps_sink_window_and_top_scores():
     keys, queries = _tensors(2)
     budget = 12
-    policy = POLICIES["snapkv"](sink=2, window=WINDOW, kernel=1, per_head=per_head)
+    policy = POLICIES["snapkv"](sink=2, window=WINDOW, kernel=1, selection="per_head")
     kept = policy.select(keys, queries, budget)
     scores = policy.score(keys, queries)
-    if not per_head:
-        scores = scores.sum(dim=0, keepdim=True)
-        kept = kept.unsqueeze(0)
+    assert scores.shape == (KV_HEADS, LENGTH - WINDOW)
     for row, head_scores in zip(kept, scores):
         chosen = set(row.tolist())
         assert len(chosen) == budget and row.tolist() == sorted(row.tolist())
         assert {0, 1} | set(range(LENGTH - WINDOW, LENGTH)) <= chosen
-        middle = [j for j in range(2, LENGTH - WINDOW)]
-        ranked = sorted(middle, key=lambda j: -float(head_scores[j]))
+        ranked = sorted(range(2, LENGTH - WINDOW), key=lambda j: -float(head_scores[j]))
         assert set(ranked[:budget - 2 - WINDOW]) == chosen - {0, 1} - set(range(LENGTH - WINDOW, LENGTH))
+
+
+def test_gathered_heads_decide_per_layer_and_shared_choices():
+    """An engine rank at TP 2 holds one of the two KV heads: with every head's scores gathered it keeps
+    what the whole layer keeps; from its own head alone it would keep something else."""
+    keys, queries = _published_inputs(seed=4, duplicates=False, layers=1, kv_heads=2, q_heads=4, length=60)
+    for selection in ("per_layer", "shared"):
+        policy = build_policy("rkv", sink=0, window=8, selection=selection)
+        whole = policy.select_layers(keys[None], queries[None], 30)
+        other = policy.score(keys[0, 1:], queries[0, 2:]).view(1, 1, 1, -1)
+        rank0 = policy.select_layers(keys[None, :, :1], queries[None, :, :2], 30,
+                                     gather_heads=lambda s: torch.cat([s, other], dim=2))
+        alone = policy.select_layers(keys[None, :, :1], queries[None, :, :2], 30)
+        assert torch.equal(rank0, whole)
+        assert not torch.equal(alone, whole)
 
 
 def test_h2o_ranks_by_accumulated_attention():

@@ -57,9 +57,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def describe_layout(cfg: RunConfig) -> str:
     p, r, kv, m = cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    from sparse_rl_mega.planner import engine_settings
+    from sglang_patches.settings import records_queries
+
+    selection = "" if kv.policy in ("none", "streaming") else (
+        f", {kv.selection} selection" + (f" ({kv.shared_scores} scores)" if kv.selection == "shared" else ""))
+    graphs = ("; GPU engines without CUDA graphs (decode queries recorded in a Python hook)"
+              if records_queries(engine_settings(cfg)) else "")
     kv_line = ("dense (no KV compression)" if kv.policy == "none" else
-               f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}), "
-               f"compress every {kv.interval} decode tokens past the budget")
+               f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}{selection}), "
+               f"compress every {kv.interval} decode tokens past the budget{graphs}")
     precision = m.dtype + (f", FP8 {m.fp8} ({m.fp8_recipe} scaling)" if m.fp8 else "")
     vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
     virtual = f" ({vpp} virtual stages each)" if vpp > 1 else ""

@@ -1,20 +1,33 @@
 """KV eviction policies: pure torch, shared by the SGLang engine patch and the reference decoder.
 
-A policy chooses which cached tokens a request keeps when its KV cache is compressed:
+A policy chooses which cached tokens a request keeps when its KV cache is compressed. The scoring
+policies follow the published code (docs/kv_compression.md lists every difference):
 
-    POLICIES[name](**params).select(keys, window_queries, budget) -> kept indices (ascending)
+* ``snapkv``: the importance of the paper's release (``r1kv_utils.py``) and of R-KV's own SnapKV;
+* ``rkv``: R-KV, ``lam * importance - (1 - lam) * redundancy`` (release and R-KV's ``r1_kv.py``);
+* ``h2o``: the attention every decode query paid to a key, accumulated by the caller;
+* ``streaming``: StreamingLLM, by position only.
 
-* ``keys``: ``[kv_heads, length, head_dim]``, post-RoPE, in cache order (oldest first);
-* ``window_queries``: ``[q_heads, window, head_dim]``, post-RoPE, the queries of the last ``window``
-  decode steps (oldest first); they belong to the last ``window`` cached tokens;
-* returns ``[budget]`` indices (one set for the whole layer) or, with ``per_head=True``,
-  ``[kv_heads, budget]`` (a set per KV head).
+Inputs (post-RoPE, cache order, oldest first):
 
-Every policy keeps the first ``sink`` tokens and the ``window`` most recent ones and fills the rest of
-the budget with the highest-scoring tokens in between. Scores are ``[kv_heads, length]``; per-layer
-selection sums them over KV heads. Policies that score with attention of the window queries need
-``window`` decode queries before their first compression (``queries_needed``); H2O scores with the
-attention every decode query paid to each key, accumulated by the caller (``accumulated``).
+* ``keys``: ``[kv_heads, length, head_dim]``;
+* ``window_queries``: ``[q_heads, window, head_dim]``, the queries of the last ``window`` decode steps,
+  which belong to the last ``window`` cached tokens;
+* ``accumulated`` (H2O): ``[kv_heads, length]``.
+
+:meth:`EvictionPolicy.score` scores the keys *before* the window, ``[kv_heads, length - window]``: the
+``window`` most recent tokens are always kept and never scored (the published code leaves them out of
+the softmax). The kept set is ``sink`` first tokens (0 in the published R-KV / SnapKV code) + the
+highest-scoring older tokens + the window, chosen by ``selection``:
+
+* ``per_layer``: one set per layer, scores summed over the layer's KV heads;
+* ``per_head``: one set per KV head of every layer (R-KV's own code);
+* ``shared``: one set per request for every layer (the paper's release): scores of the first layer
+  summed over its KV heads (``shared_scores: first_layer``, the release) or summed over all layers
+  (``layer_sum``). The engine then compacts the request's row: no K/V is copied.
+
+With an engine at TP > 1, each rank scores its own KV heads; ``gather_heads`` collects every head's
+scores before a per-layer or shared choice, so the choice does not depend on the engine's TP.
 
 When to compress (:func:`should_compress`): once the cached length reaches ``budget + interval``, the
 request is compressed back to ``budget`` tokens (the cache swings between B and B + interval); with
@@ -23,10 +36,15 @@ the newline trigger also whenever it is past the budget and the token about to b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
+
+SELECTIONS = ("per_layer", "per_head", "shared")
+SHARED_SCORES = ("first_layer", "layer_sum")
+GQA_POOLS = ("max", "mean")
+POOLS = ("max", "avg")
 
 
 def should_compress(cached_len: int, budget: int, interval: int, decode_queries: int = 0,
@@ -38,49 +56,92 @@ def should_compress(cached_len: int, budget: int, interval: int, decode_queries:
     return due and decode_queries >= queries_needed
 
 
-def window_attention(keys: torch.Tensor, window_queries: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of the window queries over the keys, ``[q_heads, window, length]`` (float32).
-
-    Query ``i`` of ``w`` belongs to cache position ``length - w + i`` and sees keys up to it (causal
-    inside the window; every older key is visible)."""
-    q_heads, window, head_dim = window_queries.shape
-    kv_heads, length, _ = keys.shape
+def window_logits(keys: torch.Tensor, window_queries: torch.Tensor, gqa_pool: str = "max") -> torch.Tensor:
+    """Attention logits of the window queries, pooled over each KV head's query group *before* any
+    softmax (max or mean, as the published ``compute_attention_scores``): ``[kv_heads, window, length]``
+    (float32), scaled by ``1 / sqrt(head_dim)``. ``kv_heads`` may hold several layers' heads, layer-major,
+    with the queries in the same order."""
+    kv_heads, length, head_dim = keys.shape
+    q_heads, window, _ = window_queries.shape
     group = q_heads // kv_heads
-    k = keys.float().repeat_interleave(group, dim=0)  # [q_heads, length, d]
-    logits = window_queries.float() @ k.transpose(1, 2) * head_dim ** -0.5  # [q_heads, w, length]
-    key_pos = torch.arange(length, device=keys.device)
-    query_pos = torch.arange(length - window, length, device=keys.device).unsqueeze(1)
-    logits = logits.masked_fill(key_pos.unsqueeze(0) > query_pos, float("-inf"))
-    return logits.softmax(dim=-1)
+    q = window_queries.float().view(kv_heads, group, window, head_dim)
+    logits = q @ keys.float().unsqueeze(1).transpose(-1, -2) * head_dim ** -0.5  # [kv_heads, group, w, length]
+    return logits.amax(dim=1) if gqa_pool == "max" else logits.mean(dim=1)
 
 
 def pool1d(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
-    """Same-length 1-D pooling along the last axis of ``[heads, length]`` (odd ``kernel``)."""
+    """Same-length pooling along the last axis of ``[heads, length]`` with ``kernel // 2`` padding on each
+    side, as ``F.max_pool1d`` / ``F.avg_pool1d`` in the published code (the average counts the padding
+    zeros at both ends)."""
     if kernel <= 1:
         return scores
-    x = scores.unsqueeze(0)
+    x = scores.unsqueeze(1)
     if mode == "max":
-        return F.max_pool1d(x, kernel, stride=1, padding=kernel // 2).squeeze(0)
-    return F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False).squeeze(0)
+        return F.max_pool1d(x, kernel, stride=1, padding=kernel // 2).squeeze(1)
+    return F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2).squeeze(1)
+
+
+def window_importance(keys: torch.Tensor, window_queries: torch.Tensor, gqa_pool: str, kernel: int,
+                      pool: str) -> torch.Tensor:
+    """Importance of the keys before the window, ``[kv_heads, length - window]`` (float32): the pooled
+    logits of the window queries, softmax over those older keys only (the window's own keys are left
+    out), mean over the window's queries, then pooled along the sequence."""
+    length, window = keys.shape[1], window_queries.shape[1]
+    probs = window_logits(keys, window_queries, gqa_pool)[..., :length - window].softmax(dim=-1).mean(dim=1)
+    return pool1d(probs, kernel, pool)
+
+
+def key_redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
+    """R-KV's redundancy of every key, ``[kv_heads, length]`` (float32, a softmax over keys).
+
+    Cosine similarity ``S`` of the keys (``k / (|k| + 1e-8)``) with the diagonal zeroed; for each key ``i``
+    only the entry ``S[i, j]`` of its last near-duplicate (the largest ``j`` with ``S[i, j] > threshold``;
+    ``j = 0`` when it has none) is zeroed; the redundancy of key ``j`` is the mean of column ``j`` over all
+    rows, followed by a softmax over the keys."""
+    k = keys.float()
+    unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = unit @ unit.transpose(-1, -2)  # [kv_heads, length, length]
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    columns = torch.arange(sim.shape[-1], device=keys.device)
+    last_duplicate = torch.where(sim > threshold, columns, torch.zeros_like(columns)).amax(dim=-1)  # [kv_heads, L]
+    sim.scatter_(-1, last_duplicate.unsqueeze(-1), 0.0)
+    return sim.mean(dim=-2).softmax(dim=-1)
 
 
 @dataclass
 class EvictionPolicy:
-    """Base class: sink + recent window + top scores in between. Subclasses implement :meth:`score`."""
+    """Base class: ``sink`` first tokens + the top-scoring older tokens + the ``window`` most recent ones.
+    Subclasses implement :meth:`score`."""
     sink: int = 4
     window: int = 8
-    per_head: bool = False
+    selection: str = "per_layer"
+    shared_scores: str = "first_layer"
     position_only: ClassVar[bool] = False       # the choice depends on positions only (same for all layers)
     queries_needed: ClassVar[bool] = False      # scores with the last ``window`` decode queries
     needs_accumulated: ClassVar[bool] = False   # scores with accumulated decode attention (H2O)
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if self.sink < 0 or self.window <= 0:
-            raise ValueError(f"{type(self).__name__}: need sink >= 0 and window > 0, got {self.sink}, {self.window}")
+            raise ValueError(f"{name}: need sink >= 0 and window > 0, got {self.sink}, {self.window}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if self.shared_scores not in SHARED_SCORES:
+            raise ValueError(f"{name}: shared_scores must be one of {', '.join(SHARED_SCORES)}, "
+                             f"got {self.shared_scores!r}")
 
     @property
     def min_decode_queries(self) -> int:
         return self.window if self.queries_needed else 0
+
+    @property
+    def shared(self) -> bool:
+        """One kept set for every layer of a request (the engine compacts the row, copies nothing)."""
+        return self.position_only or self.selection == "shared"
+
+    def scored_layers(self, layers: int) -> int:
+        """How many layers (the first ones) the choice reads: 1 for ``shared`` from the first layer."""
+        return 1 if self.selection == "shared" and self.shared_scores == "first_layer" else layers
 
     def check_budget(self, budget: int) -> None:
         if budget <= self.sink + self.window:
@@ -88,46 +149,62 @@ class EvictionPolicy:
 
     def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
               accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[kv_heads, length]``: higher means keep."""
+        """``[kv_heads, length - window]``: scores of the keys before the window, higher means keep."""
         raise NotImplementedError
+
+    def choose(self, scores: torch.Tensor, budget: int,
+               gather_heads: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Kept indices (ascending) from ``scores [n, layers, kv_heads, length - window]``:
+        ``[n, layers, kv_heads, budget]`` per head, ``[n, layers, budget]`` per layer, ``[n, budget]``
+        shared (``layers`` is 1 when shared from the first layer). ``gather_heads`` maps this TP rank's
+        heads to every head (axis 2) before they are summed. Ties go to the older token (stable sort)."""
+        self.check_budget(budget)
+        scored = scores.shape[-1]
+        length = scored + self.window
+        if self.selection != "per_head":
+            if gather_heads is not None:
+                scores = gather_heads(scores)
+            scores = scores.sum(dim=2)  # [n, layers, M]
+            if self.selection == "shared":
+                scores = scores.sum(dim=1)  # [n, M]
+        free = budget - self.sink - self.window
+        on = scores.device
+        top = scores[..., self.sink:].argsort(dim=-1, descending=True, stable=True)[..., :free] + self.sink
+        forced = torch.cat([torch.arange(self.sink, device=on), torch.arange(scored, length, device=on)])
+        kept = torch.cat([forced.expand(*top.shape[:-1], -1), top], dim=-1)
+        return kept.sort(dim=-1).values
+
+    def select_layers(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor], budget: int,
+                      accumulated: Optional[torch.Tensor] = None,
+                      gather_heads: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Kept indices of ``n`` requests: ``keys [n, layers, kv_heads, length, d]``, ``window_queries
+        [n, layers, q_heads, w, d]``, ``accumulated [n, layers, kv_heads, length]`` (only the first
+        :meth:`scored_layers` layers are read) -> see :meth:`choose`."""
+        n, layers, kv_heads, length, head_dim = keys.shape
+        if length <= budget:
+            shape = {"per_head": (n, layers, kv_heads), "per_layer": (n, layers), "shared": (n,)}[self.selection]
+            return torch.arange(length, device=keys.device).expand(*shape, length).clone()
+        used = self.scored_layers(layers)
+        flat_queries = None
+        if window_queries is not None:
+            flat_queries = window_queries[:, :used].reshape(-1, *window_queries.shape[-2:])
+        flat_accumulated = None if accumulated is None else accumulated[:, :used].reshape(-1, length)
+        # requests x layers x heads flatten into one head axis: the GQA grouping stays aligned
+        scores = self.score(keys[:, :used].reshape(-1, length, head_dim), flat_queries, flat_accumulated)
+        return self.choose(scores.float().view(n, used, kv_heads, -1), budget, gather_heads)
 
     def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor], budget: int,
                length: Optional[int] = None, accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Kept indices, ascending: ``[budget]``, or ``[kv_heads, budget]`` with ``per_head``."""
-        return self.select_layers(keys.unsqueeze(0), None if window_queries is None else window_queries.unsqueeze(0),
-                                  budget, None if accumulated is None else accumulated.unsqueeze(0))[0]
-
-    def select_layers(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor], budget: int,
-                      accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """:meth:`select` for several layers at once: ``keys [layers, kv_heads, length, d]``,
-        ``window_queries [layers, q_heads, w, d]``, ``accumulated [layers, kv_heads, length]`` ->
-        ``[layers, budget]`` (or ``[layers, kv_heads, budget]``). Ties go to the older token (stable
-        sort), so the choice does not depend on how many layers are selected together."""
-        self.check_budget(budget)
-        layers, kv_heads, n, head_dim = keys.shape
-        if n <= budget:
-            kept = torch.arange(n, device=keys.device)
-            return kept.expand(layers, kv_heads, n).clone() if self.per_head else kept.expand(layers, n).clone()
-        flat_queries = None if window_queries is None else window_queries.reshape(-1, *window_queries.shape[2:])
-        flat_accumulated = None if accumulated is None else accumulated.reshape(-1, n)
-        # layers x heads flatten into one head axis: the GQA grouping stays aligned (layer-major)
-        scores = self.score(keys.reshape(-1, n, head_dim), flat_queries, flat_accumulated).view(layers, kv_heads, n)
-        scores = scores[..., self.sink:n - self.window].float()
-        if not self.per_head:
-            scores = scores.sum(dim=1)  # [layers, middle]
-        free = budget - self.sink - self.window
-        top = scores.argsort(dim=-1, descending=True, stable=True)[..., :free]
-        on = keys.device
-        forced = torch.cat([torch.arange(self.sink, device=on), torch.arange(n - self.window, n, device=on)])
-        middle = torch.arange(self.sink, n - self.window, device=on)
-        kept = torch.cat([forced.expand(*top.shape[:-1], -1), middle[top]], dim=-1)
-        return kept.sort(dim=-1).values
+        """One layer of one request: ``[budget]``, or ``[kv_heads, budget]`` per head."""
+        kept = self.select_layers(keys[None, None], None if window_queries is None else window_queries[None, None],
+                                  budget, None if accumulated is None else accumulated[None, None])
+        return kept[0] if self.selection == "shared" else kept[0, 0]
 
 
 @dataclass
 class StreamingPolicy(EvictionPolicy):
     """StreamingLLM: the first ``sink`` tokens (attention sinks) and the most recent ones; every
-    non-sink slot of the budget goes to recent tokens."""
+    non-sink slot of the budget goes to recent tokens. The same tokens in every layer and head."""
     position_only: ClassVar[bool] = True
 
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
@@ -143,59 +220,43 @@ class StreamingPolicy(EvictionPolicy):
 
 @dataclass
 class SnapKVPolicy(EvictionPolicy):
-    """SnapKV: attention of the last ``window`` queries to each key, averaged over the window and the
-    GQA group's query heads, then pooled along the sequence (``pool`` over ``kernel`` neighbours)."""
+    """SnapKV as the paper's release and R-KV's repository compute it: :func:`window_importance` (logits
+    pooled over the GQA group with ``gqa_pool``, softmax over the keys before the window, mean over the
+    window's queries, ``pool`` over ``kernel`` neighbours). Original SnapKV pools with ``avg``."""
     kernel: int = 7
     pool: str = "max"
+    gqa_pool: str = "max"
     queries_needed: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kernel < 1 or self.kernel % 2 == 0 or self.pool not in ("max", "avg"):
-            raise ValueError(f"SnapKV: kernel must be odd and >= 1, pool max|avg; got {self.kernel}, {self.pool}")
+        if self.kernel < 1 or self.kernel % 2 == 0 or self.pool not in POOLS or self.gqa_pool not in GQA_POOLS:
+            raise ValueError(f"{type(self).__name__}: kernel must be odd and >= 1, pool max|avg, gqa_pool max|mean; "
+                             f"got {self.kernel}, {self.pool}, {self.gqa_pool}")
 
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
-        probs = window_attention(keys, window_queries)  # [q_heads, w, length]
-        kv_heads = keys.shape[0]
-        per_kv_head = probs.mean(dim=1).view(kv_heads, -1, keys.shape[1]).mean(dim=1)
-        return pool1d(per_kv_head, self.kernel, self.pool)
+        return window_importance(keys, window_queries, self.gqa_pool, self.kernel, self.pool)
 
 
 @dataclass
-class RKVPolicy(EvictionPolicy):
-    """R-KV: ``score = lam * importance - (1 - lam) * redundancy``.
-
-    importance: max-pooled (``kernel``) mean attention of the window queries to each key, max over
-    the GQA group's query heads; redundancy: softmax over keys of each key's mean cosine similarity to
-    the other keys (diagonal zeroed), where a key with no later near-duplicate (similarity above
-    ``similarity_threshold``) counts as not redundant (the most recent copy is protected)."""
+class RKVPolicy(SnapKVPolicy):
+    """R-KV: ``lam * importance - (1 - lam) * redundancy`` over the keys before the window: importance as
+    :class:`SnapKVPolicy` (max-pooled), redundancy :func:`key_redundancy` of all keys (the window's
+    included), sliced to the keys before the window. ``lam`` 0.1 as in the paper's runs (R-KV's own
+    default is 0.07)."""
     lam: float = 0.1
-    kernel: int = 7
     similarity_threshold: float = 0.5
-    queries_needed: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.lam <= 1.0 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"R-KV: need 0 <= lam <= 1 and an odd kernel, got {self.lam}, {self.kernel}")
-
-    def importance(self, keys, window_queries) -> torch.Tensor:
-        probs = window_attention(keys, window_queries).mean(dim=1)  # [q_heads, length]
-        grouped = probs.view(keys.shape[0], -1, keys.shape[1]).amax(dim=1)
-        return pool1d(grouped, self.kernel, "max")
-
-    def redundancy(self, keys) -> torch.Tensor:
-        unit = F.normalize(keys.float(), dim=-1)
-        sim = unit @ unit.transpose(1, 2)  # [kv_heads, length, length]
-        length = keys.shape[1]
-        sim = sim * (1.0 - torch.eye(length, device=keys.device))
-        later = torch.triu(torch.ones(length, length, dtype=torch.bool, device=keys.device), diagonal=1)
-        has_later_duplicate = ((sim > self.similarity_threshold) & later).any(dim=-1)  # [kv_heads, length]
-        sim = sim * has_later_duplicate.unsqueeze(-1)
-        return (sim.sum(dim=-1) / max(length - 1, 1)).softmax(dim=-1)
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"R-KV: need 0 <= lam <= 1, got {self.lam}")
 
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
-        return self.lam * self.importance(keys, window_queries) - (1.0 - self.lam) * self.redundancy(keys)
+        older = keys.shape[1] - window_queries.shape[1]
+        importance = window_importance(keys, window_queries, self.gqa_pool, self.kernel, self.pool)
+        redundancy = key_redundancy(keys, self.similarity_threshold)[:, :older]
+        return self.lam * importance - (1.0 - self.lam) * redundancy
 
 
 @dataclass
@@ -207,7 +268,7 @@ class H2OPolicy(EvictionPolicy):
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
         if accumulated is None:
             raise ValueError("H2O needs the accumulated attention [kv_heads, length]")
-        return accumulated
+        return accumulated[:, :accumulated.shape[1] - self.window]
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

@@ -11,7 +11,8 @@ returns the logprob of every generated token. Users can run it to debug a policy
 What it reproduces: the prefill is never compressed; each decode step records its post-RoPE query
 per layer and (for H2O) adds the attention it paid to every key; before a decode step, a cache of
 ``budget + interval`` tokens (with enough recorded queries for the policy) is compressed to
-``budget`` per layer (per KV head with ``per_head``), keys keeping their original rotation.
+``budget`` per layer, per KV head or with one set for every layer (the policy's ``selection``), keys
+keeping their original rotation.
 """
 from __future__ import annotations
 
@@ -77,21 +78,25 @@ class ReferenceDecoder:
         return torch.log_softmax(logits, dim=-1)
 
     def _compress(self, state: dict, policy: EvictionPolicy, budget: int) -> int:
-        """Compress every layer's cache to ``budget``; returns the evicted token count."""
+        """Compress every layer's cache to ``budget`` (per the policy's ``selection``); returns the
+        evicted token count."""
         cached = state["k"][0].shape[1]
-        for layer_idx in range(len(state["k"])):
-            keys, values = state["k"][layer_idx], state["v"][layer_idx]
+        if policy.position_only:
+            kept = policy.select(None, None, budget, length=cached)
+        else:
             window_queries = None
-            if policy.queries_needed:
-                window_queries = torch.stack(state["queries"][layer_idx][-policy.window:], dim=1)  # [q_heads, w, d]
-            kept = policy.select(keys, window_queries, budget, length=cached,
-                                 accumulated=state["acc"][layer_idx] if policy.needs_accumulated else None)
-            if kept.dim() == 1:
-                kept = kept.expand(keys.shape[0], -1)
-            gather = kept.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-            state["k"][layer_idx] = keys.gather(1, gather)
-            state["v"][layer_idx] = values.gather(1, gather)
-            state["acc"][layer_idx] = state["acc"][layer_idx].gather(1, kept)
+            if policy.queries_needed:  # [1, layers, q_heads, w, d]
+                window_queries = torch.stack([torch.stack(q[-policy.window:], dim=1) for q in state["queries"]])[None]
+            accumulated = torch.stack(state["acc"])[None] if policy.needs_accumulated else None
+            kept = policy.select_layers(torch.stack(state["k"])[None], window_queries, budget, accumulated)[0]
+        for layer_idx in range(len(state["k"])):
+            layer_kept = kept if policy.shared else kept[layer_idx]  # [budget] or [kv_heads, budget]
+            if layer_kept.dim() == 1:
+                layer_kept = layer_kept.expand(self.num_kv_heads, -1)
+            gather = layer_kept.unsqueeze(-1).expand(-1, -1, self.head_dim)
+            state["k"][layer_idx] = state["k"][layer_idx].gather(1, gather)
+            state["v"][layer_idx] = state["v"][layer_idx].gather(1, gather)
+            state["acc"][layer_idx] = state["acc"][layer_idx].gather(1, layer_kept)
         return cached - budget
 
     @torch.no_grad()
@@ -112,14 +117,7 @@ class ReferenceDecoder:
             if policy is not None and should_compress(cached, budget, interval, len(state["queries"][0]),
                                                       policy.min_decode_queries,
                                                       output_ids[t - 1] in newline_token_ids):
-                if policy.position_only:
-                    kept = policy.select(None, None, budget, length=cached)
-                    for name in ("k", "v"):
-                        state[name] = [x[:, kept] for x in state[name]]
-                    state["acc"] = [a[:, kept] for a in state["acc"]]
-                    evicted += cached - kept.numel()
-                else:
-                    evicted += self._compress(state, policy, budget)
+                evicted += self._compress(state, policy, budget)
             position = len(prompt_ids) + t - 1
             logprobs.append(float(self._forward([output_ids[t - 1]], [position], state)[-1, output_ids[t]]))
         return logprobs, evicted

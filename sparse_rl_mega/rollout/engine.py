@@ -13,7 +13,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from sglang_patches.settings import ENV_VAR, REQUEST_KEY, EngineKVSettings
+from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings, records_queries,
+                                     side_buffer_bytes)
 from sparse_rl_mega.kv.policies import build_policy
 
 
@@ -82,18 +83,50 @@ def engine_kv_settings(kv_cfg, tokenizer=None) -> EngineKVSettings:
             raise ValueError("the newline trigger needs the tokenizer to find newline tokens")
         newlines = newline_token_ids(tokenizer)
     return EngineKVSettings(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink, window=kv_cfg.window,
-                            interval=kv_cfg.interval, per_head=kv_cfg.per_head, params=kv_cfg.policy_params(),
-                            newline_token_ids=newlines)
+                            interval=kv_cfg.interval, selection=kv_cfg.selection, shared_scores=kv_cfg.shared_scores,
+                            params=kv_cfg.policy_params(), newline_token_ids=newlines)
+
+
+def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
+    """Whether a GPU engine may capture CUDA graphs with these KV settings, and why not.
+
+    Scoring policies record each decode step's queries (and H2O's attention mass) from a Python hook on
+    ``RadixAttention.forward`` indexed by CPU-side request state: a captured graph would run the hook
+    once at capture with no requests and a replay would record nothing. Such engines run eagerly, as the
+    paper's own code does (``--disable-cuda-graph``). StreamingLLM only compacts rows between steps."""
+    if records_queries(kv):
+        what = "per-request policies" if kv.allow_request_override else f"{kv.policy}"
+        return False, f"CUDA graphs off: {what} record decode queries in a Python hook"
+    return True, "CUDA graphs on"
+
+
+def engine_side_buffers(model_path: str, kv: EngineKVSettings, *, tp_size: int, dtype: str,
+                        running_requests: int, prompt_tokens: int) -> dict[str, int]:
+    """Bytes of the KV patch's side buffers on one engine TP rank of the HF model at ``model_path``
+    (``sglang_patches.settings.side_buffer_bytes`` with this model's shape)."""
+    import json
+    from pathlib import Path
+
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return side_buffer_bytes(kv, running_requests=running_requests, layers=hf["num_hidden_layers"],
+                             q_heads=heads // tp_size, kv_heads=max(1, kv_heads // tp_size), head_dim=head_dim,
+                             dtype_bytes=2 if dtype in ("bfloat16", "float16") else 4, prompt_tokens=prompt_tokens)
 
 
 class RolloutEngine:
     def __init__(self, model_path: str, kv: EngineKVSettings, *, dtype: str = "float32", seed: int = 0,
                  max_total_tokens: Optional[int] = None, max_running_requests: Optional[int] = None,
                  mem_fraction_static: float = 0.8, attention_backend: Optional[str] = None,
-                 tp_size: int = 1, base_gpu_id: int = 0, memory_saver: bool = False, log_level: str = "error"):
+                 tp_size: int = 1, base_gpu_id: int = 0, memory_saver: bool = False, log_level: str = "error",
+                 prompt_tokens: int = 1024, log=print):
         """``base_gpu_id``: the node-local GPU of the engine's TP rank 0 (GPU only); ``memory_saver``:
         start with SGLang's memory saver so :meth:`release_memory` can free weights and KV pool while a
-        colocated learner trains (GPU only)."""
+        colocated learner trains (GPU only). On a GPU, the KV patch's side buffers (query ring, H2O's
+        mass for requests of up to ``prompt_tokens`` prompt tokens) are taken out of
+        ``mem_fraction_static`` before SGLang sizes its KV pool, and scoring policies run without CUDA
+        graphs (:func:`cuda_graphs_allowed`)."""
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if not torch.cuda.is_available() else "0")
         os.environ[ENV_VAR] = kv.to_env()
         import sglang as sgl
@@ -114,6 +147,20 @@ class RolloutEngine:
             kwargs.update(base_gpu_id=base_gpu_id, enable_memory_saver=memory_saver)
             if attention_backend:
                 kwargs["attention_backend"] = attention_backend
+            graphs, why = cuda_graphs_allowed(kv)
+            if not graphs:
+                kwargs["disable_cuda_graph"] = True
+            if records_queries(kv):  # the ring has a row per running request: bound them
+                max_running_requests = max_running_requests or DEFAULT_RUNNING_REQUESTS
+                side = engine_side_buffers(model_path, kv, tp_size=tp_size, dtype=dtype,
+                                           running_requests=max_running_requests, prompt_tokens=prompt_tokens)
+                total = torch.cuda.get_device_properties(base_gpu_id).total_memory
+                # SGLang leaves (1 - mem_fraction_static) x memory free: widen that by the side buffers
+                kwargs["mem_fraction_static"] = mem_fraction_static - sum(side.values()) / total
+                why += (f"; side buffers {sum(side.values()) / 2**30:.2f} GiB per TP rank (query ring "
+                        f"{side['query_ring'] / 2**30:.2f}, H2O mass {side['h2o_mass'] / 2**30:.2f}) taken out of "
+                        f"mem_fraction_static -> {kwargs['mem_fraction_static']:.3f}")
+            log(f"[engine] {why}")
         if max_total_tokens:
             kwargs["max_total_tokens"] = max_total_tokens
         if max_running_requests:
@@ -146,7 +193,8 @@ class RolloutEngine:
                 raise ValueError("this engine was started without allow_request_override")
             resolved = self.kv.updated(kv_override)  # raises here, not in the scheduler
             if resolved.enabled:
-                build_policy(resolved.policy, sink=resolved.sink, window=resolved.window, per_head=resolved.per_head,
+                build_policy(resolved.policy, sink=resolved.sink, window=resolved.window,
+                             selection=resolved.selection, shared_scores=resolved.shared_scores,
                              **resolved.params).check_budget(resolved.budget)
             custom = {REQUEST_KEY: dict(kv_override)}
         input_ids, params = [], []

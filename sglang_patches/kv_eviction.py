@@ -86,6 +86,7 @@ class EngineKVStats:
     def read_and_reset_peak(self) -> dict:
         out = dict(vars(self))
         self.peak_slots_in_use = 0
+        self.h2o_mass_peak_bytes = self.h2o_mass_bytes
         return out
 
 
@@ -122,6 +123,14 @@ class RowState:
             self.pending[row] = 0
             if self.mass.pop(row, None) is not None:
                 STATS.observe_mass(self.mass.values())
+
+    def drop_mass_except(self, running_rows: set) -> None:
+        """Free the mass of rows whose request no longer runs (every running request decodes each step)."""
+        gone = [row for row in self.mass if row not in running_rows]
+        for row in gone:
+            del self.mass[row]
+        if gone:
+            STATS.observe_mass(self.mass.values())
 
     def ring_layers(self, layers: int) -> int:
         return 1 if self.first_layer_only else layers
@@ -235,6 +244,7 @@ class Compressor:
         self.req_to_token, self.kv_pool = req_to_token, allocator.get_kvcache()
         if self._gather_heads is False:
             self._gather_heads = tp_head_gather(batch.model_config.get_total_num_kv_heads())
+        self.rows.drop_mass_except({req.kv.req_pool_idx for req in batch.reqs})  # finished requests' mass
         seq_lens = batch.seq_lens_cpu.clone()
         lengths = seq_lens.tolist()
         freed: list[torch.Tensor] = []

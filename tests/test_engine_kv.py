@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from sglang_patches.settings import side_buffer_bytes
 from sparse_rl_mega.kv import build_policy, compression_schedule
 from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 from tests.conftest import ENGINE_KV
@@ -58,9 +59,36 @@ def _check_samples(samples, hf_model, case):
 @pytest.mark.parametrize("name", list(POLICY_CASES))
 def test_single_request_matches_reference(evicting_engine, hf_model, name):
     prompt = [5, 17, 42, 99, 100, 7, 8, 9, 11, 12]
+    before = evicting_engine.kv_stats()
     samples = evicting_engine.generate([prompt], n_samples=1, max_new_tokens=24, seed=11,
                                        kv_override=POLICY_CASES[name], ignore_eos=True)
+    after = evicting_engine.kv_stats()
     assert _check_samples(samples, hf_model, POLICY_CASES[name]) > 0, "budget below the length must evict"
+    # one set for every layer compacts the row; a set per layer or head copies K/V into owned slots
+    copied = after["copied_tokens"] - before["copied_tokens"]
+    assert copied == 0 if _policy(POLICY_CASES[name]).shared else copied > 0, copied
+
+
+@pytest.fixture(scope="module")
+def tp2_engine(tiny_model_dir):
+    """The same engine settings at TP 2: each scheduler rank holds one of the tiny model's two KV heads."""
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV, allow_request_override=True), seed=0,
+                           max_total_tokens=2048, max_running_requests=16, tp_size=2)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["rkv", "rkv-shared", "snapkv-shared-layer-sum", "h2o"])
+def test_tp2_engine_keeps_what_one_rank_would(tp2_engine, hf_model, name):
+    """Per-layer and shared choices gather every KV head's scores over the engine's TP group: at TP 2 the
+    sampler equals the reference decoder, which scores all heads at once (each rank alone would keep
+    other tokens: a choice from its own head)."""
+    samples = tp2_engine.generate([list(range(30, 46)), [5, 17, 42, 99, 100, 7, 8]], n_samples=2, max_new_tokens=20,
+                                  seed=3, kv_override=POLICY_CASES[name], ignore_eos=True)
+    assert _check_samples(samples, hf_model, POLICY_CASES[name]) > 0
 
 
 @pytest.mark.parametrize("name", list(POLICY_CASES))
@@ -135,6 +163,17 @@ def test_peak_pool_use_of_a_group_is_bounded(evicting_engine, name):
     bound = len(prompt) + n * (ENGINE_KV["budget"] + ENGINE_KV["interval"])
     assert 0 < stats["peak_slots_in_use"] <= bound, stats
     assert bound < n * (len(prompt) + new_tokens)  # what dense decoding needs: the bound is binding
+    # side buffers: the ring has a row per request slot (max_running_requests 16 + SGLang's padding row);
+    # H2O's mass is held for running requests only, within the bound --plan counts for them
+    side = side_buffer_bytes(evicting_engine.kv, running_requests=n, layers=4, q_heads=4, kv_heads=2, head_dim=16,
+                             dtype_bytes=4, prompt_tokens=len(prompt))
+    ring = side_buffer_bytes(evicting_engine.kv, running_requests=16, layers=4, q_heads=4, kv_heads=2, head_dim=16,
+                             dtype_bytes=4, prompt_tokens=len(prompt))["query_ring"]
+    assert stats["query_ring_bytes"] == ring
+    if name == "h2o":
+        assert 0 < stats["h2o_mass_peak_bytes"] <= side["h2o_mass"], (stats, side)
+        evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=3)  # the next decode steps ...
+        assert evicting_engine.kv_stats()["h2o_mass_bytes"] == 0  # ... free what finished requests held
 
 
 def test_engine_frees_evicted_slots_and_survives_idle_leak_check(evicting_engine):

@@ -5,7 +5,8 @@
 * the correction on CUDA equals the CPU's;
 * the Megatron learner with Transformer Engine layers (bf16, and FP8 where the GPU supports it)
   against the local spec and transformers (tests/helpers/gpu_learner_check.py);
-* the SGLang engine on the GPU with StreamingLLM eviction against the pure-torch reference decoder.
+* the SGLang engine on the GPU against the pure-torch reference decoder: StreamingLLM with CUDA graphs,
+  R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python).
 """
 import os
 
@@ -20,16 +21,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an 
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize("name, per_head", [("snapkv", False), ("snapkv", True),
-                                            ("rkv", False), ("rkv", True), ("h2o", False)])
-def test_policies_choose_the_same_tokens_on_cuda(name, per_head):
+@pytest.mark.parametrize("name, selection", [("snapkv", "per_layer"), ("snapkv", "per_head"), ("rkv", "per_layer"),
+                                             ("rkv", "per_head"), ("rkv", "shared"), ("h2o", "per_layer")])
+def test_policies_choose_the_same_tokens_on_cuda(name, selection):
     g = torch.Generator().manual_seed(0)
     layers, kv_heads, q_heads, length, dim, window = 3, 2, 4, 40, 16, 4
-    keys = torch.randn(layers, kv_heads, length, dim, generator=g)
-    queries = torch.randn(layers, q_heads, window, dim, generator=g)
-    mass = torch.rand(layers, kv_heads, length, generator=g)
+    keys = torch.randn(1, layers, kv_heads, length, dim, generator=g)
+    queries = torch.randn(1, layers, q_heads, window, dim, generator=g)
+    mass = torch.rand(1, layers, kv_heads, length, generator=g)
     params = {"kernel": 3} if name in ("snapkv", "rkv") else {}
-    policy = build_policy(name, sink=2, window=window, per_head=per_head, **params)
+    policy = build_policy(name, sink=2, window=window, selection=selection, **params)
     cpu = policy.select_layers(keys, queries, 16, mass if name == "h2o" else None)
     gpu = policy.select_layers(keys.to(CUDA), queries.to(CUDA), 16, mass.to(CUDA) if name == "h2o" else None)
     assert gpu.device.type == "cuda" and torch.equal(cpu, gpu.cpu())
@@ -66,23 +67,46 @@ def test_learner_with_transformer_engine(tiny_model_dir, tmp_path):
     print((tmp_path / "report.txt").read_text())
 
 
-def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model):
+@pytest.fixture
+def gpu_engine_env():
+    saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "0"
+    yield
+    if saved is None:
+        os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+    else:
+        os.environ["SGLANG_USE_CPU_ENGINE"] = saved
+
+
+def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_engine_env):
+    """StreamingLLM (compaction only: CUDA graphs stay on) and, per request, R-KV per layer and shared
+    (queries recorded in a Python hook: the engine must have switched CUDA graphs off) against the
+    pure-torch reference decoder."""
     pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
-    from sparse_rl_mega.rollout.engine import RolloutEngine
+    from sparse_rl_mega.rollout.engine import RolloutEngine, cuda_graphs_allowed
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "0"
-    settings = EngineKVSettings(policy="streaming", budget=12, sink=2, window=4, interval=2)
-    engine = RolloutEngine(str(tiny_model_dir), settings, seed=0, max_total_tokens=4096, max_running_requests=16,
-                           attention_backend="torch_native")
-    try:
-        samples = engine.generate([[5, 6, 7, 8, 9, 10]], n_samples=2, max_new_tokens=24, seed=3)
-    finally:
-        engine.shutdown()
+    cases = [(None, build_policy("streaming", sink=2, window=4)),
+             ({"policy": "rkv"}, build_policy("rkv", sink=2, window=4)),
+             ({"policy": "rkv", "selection": "shared"}, build_policy("rkv", sink=2, window=4, selection="shared"))]
     ref = ReferenceDecoder(hf_model)
-    policy = build_policy("streaming", sink=2, window=4)
-    for s in samples:
-        logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, policy, 12, 2)
-        assert evicted > 0
-        assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < 2e-3  # float32 GPU kernels vs CPU reference
+    for allow_override in (False, True):
+        settings = EngineKVSettings(policy="streaming", budget=12, sink=2, window=4, interval=2,
+                                    allow_request_override=allow_override)
+        engine = RolloutEngine(str(tiny_model_dir), settings, seed=0, max_total_tokens=4096, max_running_requests=16,
+                               attention_backend="torch_native")
+        try:
+            graphs_off = bool(getattr(engine.engine.server_args, "disable_cuda_graph", False))
+            assert graphs_off == (not cuda_graphs_allowed(settings)[0]) == allow_override
+            runs = [(override, policy, engine.generate([[5, 6, 7, 8, 9, 10]], n_samples=2, max_new_tokens=24, seed=3,
+                                                        kv_override=override))
+                    for override, policy in (cases[1:] if allow_override else cases[:1])]
+        finally:
+            engine.shutdown()
+        for override, policy, samples in runs:
+            for s in samples:
+                logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, policy, 12, 2)
+                assert evicted > 0 and len(logp) == len(s.logp_sparse)
+                # float32 GPU kernels vs the CPU reference
+                assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < 2e-3, override

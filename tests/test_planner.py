@@ -149,6 +149,27 @@ def test_plan_every_example(example):
         assert expected in proc.stdout, expected
 
 
+def test_70b_side_buffers_are_planned_and_fit_beside_the_pool():
+    """The KV patch's query ring (and H2O's mass) for the 70B example's engine: 80 layers, 64 / 8 heads of
+    128 at engine TP 8 (8 query heads and 1 KV head per rank), bfloat16, window 8, 128 running requests;
+    --plan shows them and takes them out of mem_fraction_static before the pool."""
+    ring = (128 + 1) * 80 * 8 * 8 * 128 * 2  # [running + SGLang's padding row, layers, window, q_heads, d]
+    mass = 128 * 80 * 1 * (512 + 512 + 128 + 1 + 64) * 4  # float32 per running request: prompt + B + N + 1 + headroom
+    for policy, expected in (("rkv", {"query_ring": ring, "h2o_mass": 0}),
+                             ("h2o", {"query_ring": ring, "h2o_mass": mass})):
+        plan = plan_memory(load_config(EXAMPLE_70B, [f"rollout.kv_compression.policy={policy}"]), 80, 512)
+        em = plan.engine
+        assert em.side_buffers == expected
+        assert em.static_bytes == int(em.free_bytes * 0.7) - sum(expected.values())
+        assert em.weight_bytes + em.pool_bytes + em.side_bytes <= em.free_bytes * 0.7
+        assert plan.fits
+    shared = plan_memory(load_config(EXAMPLE_70B, ["rollout.kv_compression.selection=shared"]), 80, 512).engine
+    assert shared.side_buffers["query_ring"] == ring // 80  # the first layer's queries only
+    proc = run_launch(EXAMPLE_70B, "--plan", timeout=120)
+    assert f"side buffers {ring / GIB:9.2f} GiB  (query ring {ring / GIB:.2f} GiB for 128 running requests" in proc.stdout
+    assert "CUDA graphs off" in proc.stdout
+
+
 def test_plan_says_an_impossible_layout_does_not_fit():
     """70B at TP 1 x PP 1: the learner alone needs several GPUs' memory; exit 3."""
     proc = run_launch(EXAMPLE_70B, "--plan", "--set", "parallel.nnodes=1", "--set",

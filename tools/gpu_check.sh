@@ -10,7 +10,8 @@
 #   1. the GPU subset, tests/test_gpu.py: eviction scoring and the correction on CUDA tensors against
 #      the CPU, the learner with Transformer Engine layers (bf16, FP8 where the GPU supports it) against
 #      the local spec and transformers, the SGLang engine on the GPU with eviction against the
-#      reference decoder;
+#      reference decoder (StreamingLLM with CUDA graphs; R-KV per layer and shared, for which the
+#      engine must have switched CUDA graphs off);
 #   2. the pure-math tests on this machine (correction, loss, policies, HF map, config).
 # Exit status: 0 when nothing failed (skips allowed), 1 otherwise. The full log is in runs/gpu_check.log.
 set -u

@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--selections", default="per_layer,shared",
+                   help="kept-set selections of the scoring policies (per_layer, per_head, shared); a variant "
+                        "is named POLICY (per_layer) or POLICY/SELECTION")
     p.add_argument("--repeats", type=int, default=2, help="runs per variant; the fastest counts (CPU noise)")
     p.add_argument("--small-pool-fraction", type=float, default=0.45,
                    help="small pool size as a fraction of the slots dense decoding needs for all requests")
@@ -69,7 +72,7 @@ def run_variants(engine, prompts, args, variants) -> dict:
         seconds, peak, patch_share = float("inf"), 0, {}
         for _ in range(args.repeats):
             engine.engine.flush_cache()
-            before = engine.kv_stats()  # resets the peak
+            before = engine.kv_stats()  # resets the peak and the H2O mass peak
             started = time.perf_counter()
             samples = engine.generate(prompts, n_samples=1, max_new_tokens=args.new_tokens, temperature=1.0, seed=7,
                                       kv_override=override, ignore_eos=True)
@@ -80,13 +83,17 @@ def run_variants(engine, prompts, args, variants) -> dict:
             seconds = min(seconds, elapsed)
             peak = max(peak, stats["peak_slots_in_use"])
             postponed = stats.get("skipped_no_room", 0)
+            copied = stats["copied_tokens"] - before["copied_tokens"]
+            side = stats["query_ring_bytes"] + stats["h2o_mass_peak_bytes"]
         tokens = sum(len(s.response_ids) for s in samples)
         results[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
                          "peak_slots_in_use": peak, "pool_size": stats["pool_size"],
-                         "compressions_postponed_total": postponed,
+                         "compressions_postponed_total": postponed, "copied_tokens": copied,
+                         "side_buffer_bytes": side,
                          "compress_time_share": patch_share["compress_seconds"],
                          "hook_time_share": patch_share["hook_seconds"]}
-        print(f"  {name}: {tokens / seconds:.1f} tok/s, peak slots {peak}, postponed compressions "
+        print(f"  {name}: {tokens / seconds:.1f} tok/s, peak slots {peak}, K/V tokens copied {copied}, "
+              f"side buffers {side / 2**20:.2f} MiB, postponed compressions "
               f"(engine total) {postponed}, time in compression {patch_share['compress_seconds']:.1%}, "
               f"in attention hooks {patch_share['hook_seconds']:.1%}", flush=True)
     return results
@@ -105,9 +112,14 @@ def main(argv=None) -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.requests)]
-    policies = [p for p in args.policies.split(",") if p]
     kv = dict(budget=args.budget, sink=args.sink, window=args.window, interval=args.interval)
-    variants = [("dense", {"policy": "none"})] + [(p, {"policy": p}) for p in policies]
+    variants = [("dense", {"policy": "none"})]
+    for policy in (p for p in args.policies.split(",") if p):
+        selections = ["per_layer"] if policy == "streaming" else [s for s in args.selections.split(",") if s]
+        for selection in selections:
+            name = policy if selection == "per_layer" else f"{policy}/{selection}"
+            variants.append((name, {"policy": policy, "selection": selection}))
+    policies = [name for name, _ in variants[1:]]
     settings = EngineKVSettings(policy="none", allow_request_override=True, compressed_admission=True, **kv)
     dense_need = args.requests * (args.prompt_tokens + args.new_tokens)
     small_pool = int(dense_need * args.small_pool_fraction)

@@ -42,7 +42,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
-from sglang_patches.settings import MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, keeps_attention_mass, records_queries, ring_layers
+from sglang_patches.settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, keeps_attention_mass, records_queries,
+                                     ring_layers)
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 

@@ -43,7 +43,7 @@ import torch
 
 from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
 from sglang_patches.settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, keeps_attention_mass, records_queries,
-                                     ring_layers)
+                                     ring_layers, scoring_bytes_per_request, scoring_chunk)
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
@@ -171,23 +171,23 @@ class RowState:
         return ring.transpose(2, 3)
 
 
-def tp_head_gather(total_kv_heads: int) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+def tp_head_gather() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """With engine TP > 1: a function that all-gathers per-head scores ``[..., local_heads, M]`` (head
-    axis 2) over SGLang's TP group into every head in model order, so a per-layer or shared choice is
-    the same on every rank and at every TP degree. When TP exceeds the KV heads SGLang replicates each
-    head on ``tp / kv_heads`` consecutive ranks: one copy of each is kept. ``None`` at TP 1."""
+    axis 2) over SGLang's TP group into every head in model order (rank r holds heads
+    ``r * local .. (r + 1) * local - 1``), so a per-layer or shared choice is the same on every rank and
+    at every TP degree. ``None`` at TP 1. Engines whose TP exceeds the KV heads are refused before they
+    start (``sparse_rl_mega.rollout.engine``): a replicated head's query group is split over ranks."""
     import torch.distributed as dist
     from sglang.srt.distributed import get_tp_group
 
     group = get_tp_group()
     if group.world_size == 1:
         return None
-    replicas = max(1, group.world_size // total_kv_heads)
 
     def gather(scores: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(scores) for _ in range(group.world_size)]
         dist.all_gather(parts, scores.contiguous(), group=group.device_group if scores.is_cuda else group.cpu_group)
-        return torch.cat(parts[::replicas], dim=2)
+        return torch.cat(parts, dim=2)
 
     return gather
 
@@ -244,7 +244,7 @@ class Compressor:
         allocator = batch.tree_cache.token_to_kv_pool_allocator
         self.req_to_token, self.kv_pool = req_to_token, allocator.get_kvcache()
         if self._gather_heads is False:
-            self._gather_heads = tp_head_gather(batch.model_config.get_total_num_kv_heads())
+            self._gather_heads = tp_head_gather()
         self.rows.drop_mass_except({req.kv.req_pool_idx for req in batch.reqs})  # finished requests' mass
         seq_lens = batch.seq_lens_cpu.clone()
         lengths = seq_lens.tolist()
@@ -278,15 +278,22 @@ class Compressor:
         if add_mass:
             self._add_pending_mass(add_mass)
         for (_, cached), group in scoring.items():
-            if group[0][3].shared:
-                for (i, req, row, _, _), kept in zip(group, self._choose(group, cached)):
-                    seq_lens[i] = self._compact(req, row, cached, kept, req_to_token, freed)
-                    if row in self.rows.mass:
-                        self.rows.keep_mass_at(row, kept[None, None])
-            else:
-                for i, kept_len in self._rewrite(group, cached, req_to_token, allocator, freed,
-                                                 decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
-                    seq_lens[i] = kept_len
+            # all samples of a GRPO group reach the trigger at the same step: score them in chunks within
+            # the settings' scoring_workspace_bytes (the same chunks on every TP rank)
+            key_buffer, settings = self.kv_pool.get_key_buffer(self.kv_pool.start_layer), group[0][4]
+            chunk = scoring_chunk(settings, scoring_bytes_per_request(
+                settings, layers=self.kv_pool.layer_num, kv_heads=key_buffer.shape[1], head_dim=key_buffer.shape[2],
+                dtype_bytes=key_buffer.element_size(), length=cached))
+            for part in (group[k:k + chunk] for k in range(0, len(group), chunk)):
+                if part[0][3].shared:
+                    for (i, req, row, _, _), kept in zip(part, self._choose(part, cached)):
+                        seq_lens[i] = self._compact(req, row, cached, kept, req_to_token, freed)
+                        if row in self.rows.mass:
+                            self.rows.keep_mass_at(row, kept[None, None])
+                else:
+                    for i, kept_len in self._rewrite(part, cached, req_to_token, allocator, freed,
+                                                     decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
+                        seq_lens[i] = kept_len
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         for row in rows:
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook

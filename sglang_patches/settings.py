@@ -29,6 +29,8 @@ class EngineKVSettings:
     allow_request_override: bool = False
     # admit and keep running requests by their compressed size (budget + interval), not max_new_tokens
     compressed_admission: bool = True
+    # transient memory for scoring the requests that reach the trigger at the same step (scored in chunks)
+    scoring_workspace_bytes: int = 256 << 20
 
     def updated(self, override: dict) -> "EngineKVSettings":
         unknown = set(override) - {f for f in self.to_dict() if f not in ("allow_request_override", "compressed_admission")}
@@ -77,6 +79,24 @@ def ring_layers(settings: EngineKVSettings, layers: int) -> int:
     return 1 if first_only else layers
 
 
+def scoring_bytes_per_request(settings: EngineKVSettings, *, layers: int, kv_heads: int, head_dim: int,
+                              dtype_bytes: int, length: int) -> int:
+    """Transient bytes to compress one request of ``length`` cached tokens (an upper estimate): R-KV's
+    similarities (float32 + two one-byte masks per key pair and head of every scored layer), the
+    gathered keys with their float32 copies, and for per-layer / per-head sets every layer's gathered and
+    kept K and V."""
+    scored = 1 if settings.selection == "shared" and settings.shared_scores == "first_layer" else layers
+    similarity = scored * kv_heads * length * length * 6 if settings.policy == "rkv" else 0
+    keys = scored * kv_heads * length * head_dim * (dtype_bytes + 8)
+    copies = 0 if settings.selection == "shared" else 2 * layers * kv_heads * (length + settings.budget) * head_dim * dtype_bytes
+    return similarity + keys + copies
+
+
+def scoring_chunk(settings: EngineKVSettings, per_request_bytes: int) -> int:
+    """How many requests of one length are scored together: within ``scoring_workspace_bytes`` (at least 1)."""
+    return max(1, settings.scoring_workspace_bytes // max(per_request_bytes, 1))
+
+
 def side_buffer_bytes(settings: EngineKVSettings, *, running_requests: int, layers: int, q_heads: int,
                       kv_heads: int, head_dim: int, dtype_bytes: int, prompt_tokens: int) -> dict[str, int]:
     """Bytes one engine TP rank holds beside its KV pool (``q_heads`` / ``kv_heads``: this rank's):
@@ -84,12 +104,19 @@ def side_buffer_bytes(settings: EngineKVSettings, *, running_requests: int, laye
     * ``query_ring``: ``[running_requests + 1, ring layers, window, q_heads, head_dim]`` in the model's
       dtype (SGLang's request pool has one padding row);
     * ``h2o_mass``: float32 ``[ring layers, kv_heads, length + MASS_HEADROOM]`` per running request, its
-      length at most ``prompt_tokens + budget + interval + 1``."""
+      length at most ``prompt_tokens + budget + interval + 1``;
+    * ``scoring``: the transient workspace of one compression batch (requests reaching the trigger at
+      the same step are scored in chunks of :func:`scoring_chunk`), for requests of
+      ``max(prompt_tokens, budget + interval) + 1`` tokens."""
     used = ring_layers(settings, layers)
-    ring = mass = 0
+    ring = mass = scoring = 0
     if records_queries(settings):
         ring = (running_requests + 1) * used * settings.window * q_heads * head_dim * dtype_bytes
+        length = max(prompt_tokens, settings.budget + settings.interval) + 1
+        per_request = scoring_bytes_per_request(settings, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                                                dtype_bytes=dtype_bytes, length=length)
+        scoring = min(running_requests, scoring_chunk(settings, per_request)) * per_request
     if keeps_attention_mass(settings):
         longest = prompt_tokens + settings.budget + settings.interval + 1
         mass = running_requests * used * kv_heads * (longest + MASS_HEADROOM) * 4
-    return {"query_ring": ring, "h2o_mass": mass}
+    return {"query_ring": ring, "h2o_mass": mass, "scoring": scoring}

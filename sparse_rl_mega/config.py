@@ -587,6 +587,11 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         _require(kv.kernel >= 1 and kv.kernel % 2 == 1, source, "rollout.kv_compression.kernel",
                  f"must be odd and >= 1, got {kv.kernel}")
         _require(0.0 <= kv.lam <= 1.0, source, "rollout.kv_compression.lam", f"must be in [0, 1], got {kv.lam}")
+        _require(kv.policy == "streaming" or r.engine_tensor_parallel_size <= a.num_query_groups, source,
+                 "rollout.engine_tensor_parallel_size",
+                 f"{r.engine_tensor_parallel_size} exceeds model.arch.num_query_groups={a.num_query_groups}: SGLang then "
+                 f"replicates KV heads and splits their query heads over ranks, and {kv.policy} cannot score a KV "
+                 f"head from part of its queries; use an engine TP <= {a.num_query_groups} (or policy streaming)")
         _require(not (kv.selection == "per_head" and kv.policy == "streaming"), source,
                  "rollout.kv_compression.selection",
                  "streaming selects by position, the same tokens for every head and layer (per_head is for scoring policies)")

@@ -376,9 +376,10 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
         f"  demand       {em.requests_per_engine:,} samples per iteration per engine{running}",
     ]
     if em.side_bytes:
-        ring, mass = em.side_buffers["query_ring"], em.side_buffers["h2o_mass"]
-        lines.append(f"  side buffers {gib(em.side_bytes):>9} GiB  (query ring {gib(ring)} GiB"
-                     f"{f', H2O mass {gib(mass)} GiB' if mass else ''} for {em.side_running:,} running requests; "
+        side = em.side_buffers
+        mass = f", H2O mass {gib(side['h2o_mass'])} GiB" if side["h2o_mass"] else ""
+        lines.append(f"  side buffers {gib(em.side_bytes):>9} GiB  (query ring {gib(side['query_ring'])} GiB{mass} for "
+                     f"{em.side_running:,} running requests, scoring workspace {gib(side['scoring'])} GiB; "
                      f"taken out before SGLang sizes its pool)")
     if r.kv_compression.policy != "none" or em.side_bytes:
         lines.append(f"  GPU engine   {em.cuda_graphs}")

@@ -350,7 +350,7 @@ class Trainer:
         kv = self.cfg.rollout.kv_compression
         if kv.policy == "none":
             return [(0, 0)] * len(samples)
-        needed = kv.window if POLICIES[kv.policy].queries_needed else 0
+        needed = kv.window if POLICIES[kv.policy].waits_for_window() else 0
         newlines = set(self.engine.kv.newline_token_ids)
         return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
                                      [t in newlines for t in s.response_ids]) for s in samples]

@@ -26,6 +26,9 @@ POLICY_CASES = {
     # the paper's release: one set per request for every layer, from the first layer's scores (no K/V copies)
     "rkv-shared": {"policy": "rkv", "selection": "shared", "sink": 0},
     "snapkv-shared-layer-sum": {"policy": "snapkv", "selection": "shared", "shared_scores": "layer_sum"},
+    # requests reaching the trigger together scored one at a time (a 1-byte scoring workspace)
+    "rkv-chunked": {"policy": "rkv", "scoring_workspace_bytes": 1},
+    "rkv-shared-chunked": {"policy": "rkv", "selection": "shared", "scoring_workspace_bytes": 1},
     "h2o": {"policy": "h2o"},
     "h2o-per-head": {"policy": "h2o", "selection": "per_head"},
     "h2o-shared": {"policy": "h2o", "selection": "shared"},
@@ -112,7 +115,7 @@ def test_per_request_compression_counts_follow_from_lengths(evicting_engine, nam
     samples = evicting_engine.generate([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]], n_samples=2,
                                        max_new_tokens=33, seed=4, kv_override=case, ignore_eos=True)
     after = evicting_engine.kv_stats()
-    needed = ENGINE_KV["window"] if _policy(case).queries_needed else 0
+    needed = _policy(case).min_decode_queries
     replayed = [compression_schedule(len(s.prompt_ids), len(s.response_ids), ENGINE_KV["budget"],
                                      ENGINE_KV["interval"], needed) for s in samples]
     assert sum(c for c, _ in replayed) == after["compactions"] - before["compactions"] > 0
@@ -130,7 +133,7 @@ def test_newline_trigger_compresses_at_line_ends(evicting_engine, hf_model, name
                                        kv_override=case, ignore_eos=True)
     after = evicting_engine.kv_stats()
     ref = ReferenceDecoder(hf_model)
-    needed = ENGINE_KV["window"] if _policy(case).queries_needed else 0
+    needed = _policy(case).min_decode_queries
     with_newlines = length_only = 0
     for s in samples:
         logp, _ = ref.logprobs(s.prompt_ids, s.response_ids, _policy(case), ENGINE_KV["budget"],

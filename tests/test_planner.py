@@ -109,13 +109,16 @@ def _tiny_run_config(model_dir, arch: ArchConfig, **rollout):
         "trainer": {"global_batch_size": 8, "micro_batch_size": 1}})
 
 
+# the paper's release settings (shared set from the first layer, no sinks), no per-request overrides
+RELEASE_KV = dict(policy="rkv", budget=12, sink=0, window=4, interval=2, selection="shared")
+
+
 @pytest.fixture(scope="module")
 def pool_engine(tiny_model_dir):
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
-    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(policy="rkv", budget=12, sink=2, window=4, interval=2),
-                           max_total_tokens=POOL_TOKENS, max_running_requests=8)
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**RELEASE_KV), max_total_tokens=POOL_TOKENS, max_running_requests=8)
     yield engine
     engine.shutdown()
 
@@ -138,6 +141,27 @@ def test_kv_bytes_match_the_engines_pool(pool_engine, tiny_model_dir, tiny_arch)
     assert (em.dense_concurrent, em.sparse_concurrent) == (POOL_TOKENS // 34, POOL_TOKENS // 25)
 
 
+def test_release_settings_record_one_layer_and_match_the_reference(pool_engine, hf_model):
+    """An engine started with the release's settings (no per-request overrides) records the first
+    layer's queries only, which is all its shared choice reads: its ring is a quarter of a 4-layer one,
+    as --plan counts it, and its samples equal the reference decoder's."""
+    from sglang_patches.settings import EngineKVSettings, side_buffer_bytes
+    from sparse_rl_mega.kv import build_policy
+    from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
+
+    samples = pool_engine.generate([[5, 17, 42, 99, 100, 7, 8, 9]], n_samples=3, max_new_tokens=24, seed=2,
+                                   ignore_eos=True)
+    ring = side_buffer_bytes(EngineKVSettings(**RELEASE_KV), running_requests=8, layers=4, q_heads=4, kv_heads=2,
+                             head_dim=16, dtype_bytes=4, prompt_tokens=8)["query_ring"]
+    assert pool_engine.kv_stats()["query_ring_bytes"] == ring == (8 + 1) * 1 * 4 * 4 * 16 * 4
+    policy = build_policy("rkv", sink=0, window=4, selection="shared")
+    ref = ReferenceDecoder(hf_model)
+    for s in samples:
+        logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, policy, 12, 2)
+        assert evicted > 0 and len(logp) == len(s.logp_sparse)
+        assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < 1e-4
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
@@ -155,8 +179,13 @@ def test_70b_side_buffers_are_planned_and_fit_beside_the_pool():
     --plan shows them and takes them out of mem_fraction_static before the pool."""
     ring = (128 + 1) * 80 * 8 * 8 * 128 * 2  # [running + SGLang's padding row, layers, window, q_heads, d]
     mass = 128 * 80 * 1 * (512 + 512 + 128 + 1 + 64) * 4  # float32 per running request: prompt + B + N + 1 + headroom
-    for policy, expected in (("rkv", {"query_ring": ring, "h2o_mass": 0}),
-                             ("h2o", {"query_ring": ring, "h2o_mass": mass})):
+    # scoring one 641-token request: R-KV's similarities (4 + 1 + 1 bytes per key pair, 80 layers), the keys
+    # (bf16 + two float32 copies), K and V gathered and kept; as many per chunk as fit in 256 MiB (at least 1)
+    keys_and_copies = 80 * 641 * 128 * (2 + 8) + 2 * 80 * (641 + 512) * 128 * 2
+    rkv_scoring = 80 * 641 * 641 * 6 + keys_and_copies  # > 256 MiB: one request at a time
+    h2o_scoring = 2 * keys_and_copies  # two requests per chunk
+    for policy, expected in (("rkv", {"query_ring": ring, "h2o_mass": 0, "scoring": rkv_scoring}),
+                             ("h2o", {"query_ring": ring, "h2o_mass": mass, "scoring": h2o_scoring})):
         plan = plan_memory(load_config(EXAMPLE_70B, [f"rollout.kv_compression.policy={policy}"]), 80, 512)
         em = plan.engine
         assert em.side_buffers == expected
@@ -166,8 +195,20 @@ def test_70b_side_buffers_are_planned_and_fit_beside_the_pool():
     shared = plan_memory(load_config(EXAMPLE_70B, ["rollout.kv_compression.selection=shared"]), 80, 512).engine
     assert shared.side_buffers["query_ring"] == ring // 80  # the first layer's queries only
     proc = run_launch(EXAMPLE_70B, "--plan", timeout=120)
-    assert f"side buffers {ring / GIB:9.2f} GiB  (query ring {ring / GIB:.2f} GiB for 128 running requests" in proc.stdout
+    side = ring + rkv_scoring
+    assert (f"side buffers {side / GIB:9.2f} GiB  (query ring {ring / GIB:.2f} GiB for 128 running requests, "
+            f"scoring workspace {rkv_scoring / GIB:.2f} GiB") in proc.stdout
     assert "CUDA graphs off" in proc.stdout
+
+
+def test_side_buffers_widen_what_sglang_leaves_free():
+    """The engine lowers mem_fraction_static so that SGLang 0.5.23's pool (kv_cache_configurator:
+    rest = available - pre_model_load_memory x (1 - mem_fraction_static)) shrinks by the side buffers."""
+    from sparse_rl_mega.rollout.engine import reserved_mem_fraction
+
+    free, side, available = 60 * GIB, 3 * GIB, 40 * GIB
+    rest = lambda fraction: available - free * (1 - fraction)  # noqa: E731
+    assert abs(rest(0.7) - rest(reserved_mem_fraction(0.7, side, free)) - side) < 1
 
 
 def test_plan_says_an_impossible_layout_does_not_fit():

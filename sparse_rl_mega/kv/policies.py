@@ -102,8 +102,11 @@ def key_redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
     unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     sim = unit @ unit.transpose(-1, -2)  # [kv_heads, length, length]
     sim.diagonal(dim1=-2, dim2=-1).zero_()
-    columns = torch.arange(sim.shape[-1], device=keys.device)
-    last_duplicate = torch.where(sim > threshold, columns, torch.zeros_like(columns)).amax(dim=-1)  # [kv_heads, L]
+    above = sim > threshold  # one byte per pair (the published code builds an int64 index matrix here)
+    length = sim.shape[-1]
+    last_duplicate = length - 1 - above.flip(-1).to(torch.uint8).argmax(dim=-1)  # [kv_heads, L]
+    last_duplicate = torch.where(above.any(dim=-1), last_duplicate, torch.zeros_like(last_duplicate))
+    del above
     sim.scatter_(-1, last_duplicate.unsqueeze(-1), 0.0)
     return sim.mean(dim=-2).softmax(dim=-1)
 
@@ -130,9 +133,16 @@ class EvictionPolicy:
             raise ValueError(f"{name}: shared_scores must be one of {', '.join(SHARED_SCORES)}, "
                              f"got {self.shared_scores!r}")
 
+    @classmethod
+    def waits_for_window(cls) -> bool:
+        """Whether a request's first compression waits for ``window`` decode steps: the policy scores
+        with their queries or (H2O) with the attention they paid; without them it would choose on
+        nothing (all-zero scores keep the oldest tokens)."""
+        return cls.queries_needed or cls.needs_accumulated
+
     @property
     def min_decode_queries(self) -> int:
-        return self.window if self.queries_needed else 0
+        return self.window if self.waits_for_window() else 0
 
     @property
     def shared(self) -> bool:
@@ -262,7 +272,8 @@ class RKVPolicy(SnapKVPolicy):
 @dataclass
 class H2OPolicy(EvictionPolicy):
     """H2O (heavy hitters): the attention each key received from every decode query so far (summed
-    over the GQA group's query heads), accumulated by the caller and carried across compressions."""
+    over the GQA group's query heads), accumulated by the caller and carried across compressions. The
+    first compression waits for ``window`` decode steps (the prompt's own attention is not counted)."""
     needs_accumulated: ClassVar[bool] = True
 
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:

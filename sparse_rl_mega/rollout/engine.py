@@ -100,19 +100,43 @@ def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
     return True, "CUDA graphs on"
 
 
-def engine_side_buffers(model_path: str, kv: EngineKVSettings, *, tp_size: int, dtype: str,
-                        running_requests: int, prompt_tokens: int) -> dict[str, int]:
-    """Bytes of the KV patch's side buffers on one engine TP rank of the HF model at ``model_path``
-    (``sglang_patches.settings.side_buffer_bytes`` with this model's shape)."""
+def _hf_shape(model_path: str) -> dict:
     import json
     from pathlib import Path
 
     hf = json.loads((Path(model_path) / "config.json").read_text())
-    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return side_buffer_bytes(kv, running_requests=running_requests, layers=hf["num_hidden_layers"],
-                             q_heads=heads // tp_size, kv_heads=max(1, kv_heads // tp_size), head_dim=head_dim,
-                             dtype_bytes=2 if dtype in ("bfloat16", "float16") else 4, prompt_tokens=prompt_tokens)
+    heads = hf["num_attention_heads"]
+    return {"layers": hf["num_hidden_layers"], "heads": heads, "kv_heads": hf.get("num_key_value_heads", heads),
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads}
+
+
+def check_engine_tp(model_path: str, kv: EngineKVSettings, tp_size: int) -> None:
+    """Scoring policies need each TP rank to hold whole KV heads with all their query heads: when TP
+    exceeds the KV heads SGLang replicates each head and splits its query group over ranks."""
+    kv_heads = _hf_shape(model_path)["kv_heads"]
+    if records_queries(kv) and tp_size > kv_heads:
+        raise ValueError(f"engine TP {tp_size} exceeds the {kv_heads} KV heads of {model_path}: the KV policy "
+                         f"{kv.policy!r} (or per-request policies) cannot score a KV head whose query heads are split "
+                         f"over ranks; use an engine TP <= {kv_heads} or policy 'streaming'")
+
+
+def engine_side_buffers(model_path: str, kv: EngineKVSettings, *, tp_size: int, dtype: str,
+                        running_requests: int, prompt_tokens: int) -> dict[str, int]:
+    """Bytes of the KV patch's side buffers on one engine TP rank of the HF model at ``model_path``
+    (``sglang_patches.settings.side_buffer_bytes`` with this model's shape)."""
+    shape = _hf_shape(model_path)
+    return side_buffer_bytes(kv, running_requests=running_requests, layers=shape["layers"],
+                             q_heads=shape["heads"] // tp_size, kv_heads=max(1, shape["kv_heads"] // tp_size),
+                             head_dim=shape["head_dim"], dtype_bytes=2 if dtype in ("bfloat16", "float16") else 4,
+                             prompt_tokens=prompt_tokens)
+
+
+def reserved_mem_fraction(mem_fraction_static: float, side_bytes: int, free_bytes: int) -> float:
+    """``mem_fraction_static`` that leaves ``side_bytes`` more free: SGLang 0.5.23 keeps
+    ``free memory at launch x (1 - mem_fraction_static)`` out of its pool (``kv_cache_configurator``:
+    ``slack = pre_model_load_memory * (1 - mem_fraction_static)``), so the fraction drops by
+    ``side_bytes / free_bytes``."""
+    return mem_fraction_static - side_bytes / free_bytes
 
 
 class RolloutEngine:
@@ -127,6 +151,7 @@ class RolloutEngine:
         mass for requests of up to ``prompt_tokens`` prompt tokens) are taken out of
         ``mem_fraction_static`` before SGLang sizes its KV pool, and scoring policies run without CUDA
         graphs (:func:`cuda_graphs_allowed`)."""
+        check_engine_tp(model_path, kv, tp_size)
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if not torch.cuda.is_available() else "0")
         os.environ[ENV_VAR] = kv.to_env()
         import sglang as sgl
@@ -154,12 +179,12 @@ class RolloutEngine:
                 max_running_requests = max_running_requests or DEFAULT_RUNNING_REQUESTS
                 side = engine_side_buffers(model_path, kv, tp_size=tp_size, dtype=dtype,
                                            running_requests=max_running_requests, prompt_tokens=prompt_tokens)
-                total = torch.cuda.get_device_properties(base_gpu_id).total_memory
-                # SGLang leaves (1 - mem_fraction_static) x memory free: widen that by the side buffers
-                kwargs["mem_fraction_static"] = mem_fraction_static - sum(side.values()) / total
+                free = min(torch.cuda.mem_get_info(base_gpu_id + rank)[0] for rank in range(tp_size))
+                kwargs["mem_fraction_static"] = reserved_mem_fraction(mem_fraction_static, sum(side.values()), free)
                 why += (f"; side buffers {sum(side.values()) / 2**30:.2f} GiB per TP rank (query ring "
-                        f"{side['query_ring'] / 2**30:.2f}, H2O mass {side['h2o_mass'] / 2**30:.2f}) taken out of "
-                        f"mem_fraction_static -> {kwargs['mem_fraction_static']:.3f}")
+                        f"{side['query_ring'] / 2**30:.2f}, H2O mass {side['h2o_mass'] / 2**30:.2f}, scoring workspace "
+                        f"{side['scoring'] / 2**30:.2f}) taken out of mem_fraction_static -> "
+                        f"{kwargs['mem_fraction_static']:.3f}")
             log(f"[engine] {why}")
         if max_total_tokens:
             kwargs["max_total_tokens"] = max_total_tokens

@@ -179,7 +179,9 @@ class RolloutEngine:
                 max_running_requests = max_running_requests or DEFAULT_RUNNING_REQUESTS
                 side = engine_side_buffers(model_path, kv, tp_size=tp_size, dtype=dtype,
                                            running_requests=max_running_requests, prompt_tokens=prompt_tokens)
-                free = min(torch.cuda.mem_get_info(base_gpu_id + rank)[0] for rank in range(tp_size))
+                # free memory of the engine's first GPU (asking the others would open CUDA contexts on
+                # GPUs of other learner ranks); colocated GPUs of one node hold the same learner states
+                free = torch.cuda.mem_get_info(base_gpu_id)[0]
                 kwargs["mem_fraction_static"] = reserved_mem_fraction(mem_fraction_static, sum(side.values()), free)
                 why += (f"; side buffers {sum(side.values()) / 2**30:.2f} GiB per TP rank (query ring "
                         f"{side['query_ring'] / 2**30:.2f}, H2O mass {side['h2o_mass'] / 2**30:.2f}, scoring workspace "

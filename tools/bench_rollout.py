@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Dense vs compressed-KV rollouts on the same engine and model, side by side in one run.
 
-For each variant (dense and every KV policy at the same budget) the same prompts are decoded with
-``ignore_eos`` to a fixed length on:
+For each variant (dense, and every KV policy at the same budget with each ``--selections`` kept-set
+selection: ``rkv`` per layer, ``rkv/shared`` one set per request for every layer, ...) the same prompts
+are decoded with ``ignore_eos`` to a fixed length on:
 
 1. an engine with an unbounded pool: peak KV slots in use and output tokens/s;
 2. an engine whose pool is too small for the dense batch to run at once (``--small-pool-fraction`` of
@@ -10,7 +11,8 @@ For each variant (dense and every KV policy at the same budget) the same prompts
    prompt + budget + interval + 1): output tokens/s, where compressed requests are admitted by their
    compressed size and run concurrently while dense ones queue.
 
-Prints ``name=value`` lines, ratios (variant / dense) last, and writes ``--json``.
+Prints ``name=value`` lines (per variant also the K/V tokens copied and the side buffers), ratios
+(variant / dense) last, and writes ``--json``.
 
     python tools/bench_rollout.py --requests 32 --new-tokens 256 --budget 64 --json runs/bench_rollout.json
 """

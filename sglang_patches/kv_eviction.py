@@ -27,7 +27,7 @@ batched pass whenever the ring is full or the request is about to be compressed 
 attention pass every decode step): between compressions a request's keys only grow, so each recorded
 query still sees exactly the keys it saw when it was decoded. A retracted request loses this state and
 restarts dense. The hook runs Python on CPU-side state, so a GPU engine with a scoring policy runs
-without CUDA graphs (``sparse_rl_mega.rollout.engine.cuda_graphs_allowed``).
+without CUDA graphs (``sglang_patches.settings.cuda_graphs_allowed``).
 
 Needs ``page_size=1``, the non-overlap scheduler and no speculative decoding (the engine factory in
 ``sparse_rl_mega.rollout.engine`` sets these).
@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
-from sglang_patches.settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, keeps_attention_mass, records_queries,
+from sglang_patches.settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
                                      ring_layers, scoring_bytes_per_request, scoring_chunk)
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
@@ -105,10 +105,9 @@ class RowState:
     chooses a shared set from it); H2O's mass is held per running request and sized by its current
     length (at most prompt + budget + interval + 1), never by the model's context length."""
 
-    def __init__(self, window: int, keep_queries: bool, keep_mass: bool, first_layer_only: bool):
+    def __init__(self, window: int, keep_queries: bool, first_layer_only: bool):
         self.window = window
         self.keep_queries = keep_queries
-        self.keep_mass = keep_mass
         self.first_layer_only = first_layer_only  # record / accumulate the first layer only
         self.owner: dict[int, tuple] = {}     # row -> (request id, its retraction count)
         self.steps: dict[int, int] = {}       # row -> decode queries recorded for the owner
@@ -202,7 +201,7 @@ class Compressor:
             self.policy_for(settings)  # a bad setting fails at engine start, not at the first compression
         # with per-request overrides any policy may show up: record what every policy needs
         self.rows = RowState(settings.window, keep_queries=records_queries(settings),
-                             keep_mass=keeps_attention_mass(settings), first_layer_only=ring_layers(settings, 2) == 1)
+                             first_layer_only=ring_layers(settings, 2) == 1)
         self.scaling: Optional[float] = None  # attention scaling, seen by the hook
         self._gather_heads: Any = False  # resolved at the first compression (the TP group exists then)
         # the scheduler and the model runner share one process (non-overlap, TP per process):

@@ -44,6 +44,14 @@ class EngineKVSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_config(cls, kv_cfg, newline_token_ids=(), allow_request_override: bool = False) -> "EngineKVSettings":
+        """The engine's settings for ``rollout.kv_compression`` of a run config (a KVCompressionConfig)."""
+        return cls(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink, window=kv_cfg.window,
+                   interval=kv_cfg.interval, selection=kv_cfg.selection, shared_scores=kv_cfg.shared_scores,
+                   params=kv_cfg.policy_params(), newline_token_ids=list(newline_token_ids),
+                   allow_request_override=allow_request_override)
+
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
@@ -69,6 +77,19 @@ def records_queries(settings: EngineKVSettings) -> bool:
 
 def keeps_attention_mass(settings: EngineKVSettings) -> bool:
     return settings.allow_request_override or settings.policy == "h2o"
+
+
+def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
+    """Whether a GPU engine may capture CUDA graphs with these KV settings, and why not.
+
+    Scoring policies record each decode step's queries (and H2O's attention mass) from a Python hook on
+    ``RadixAttention.forward`` indexed by CPU-side request state: a captured graph would run the hook
+    once at capture with no requests and a replay would record nothing. Such engines run eagerly, as the
+    paper's own code does (``--disable-cuda-graph``). StreamingLLM only compacts rows between steps."""
+    if records_queries(kv):
+        what = "per-request policies record" if kv.allow_request_override else f"{kv.policy} records"
+        return False, f"CUDA graphs off: {what} decode queries in a Python hook"
+    return True, "CUDA graphs on"
 
 
 def ring_layers(settings: EngineKVSettings, layers: int) -> int:

@@ -54,6 +54,12 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
     return list(unique.items())
 
 
+def needs_request_override(variants: list[tuple[str, Optional[dict]]]) -> bool:
+    """Whether evaluating ``variants`` (:func:`parse_kv_variants`) needs an engine that accepts
+    per-request KV settings (any setting other than the rollout's own)."""
+    return any(override is not None for _, override in variants)
+
+
 def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Sequence[str], scorer,
                        variants: list[tuple[str, Optional[dict]]], *, n_samples: int, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, seed: int = 0,

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_patches.admission import compressed_bound
-from sglang_patches.settings import DEFAULT_RUNNING_REQUESTS, EngineKVSettings, records_queries, side_buffer_bytes
+from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, EngineKVSettings, cuda_graphs_allowed, records_queries,
+                                     side_buffer_bytes)
 from sparse_rl_mega.config import ArchConfig, RunConfig
 
 GIB = 1 << 30
@@ -260,10 +261,12 @@ def engine_settings(cfg: RunConfig) -> EngineKVSettings:
     """The KV settings the trainer starts its engines with (per-request overrides when the held-out
     evaluation asks for KV settings other than the rollout's)."""
     kv = cfg.rollout.kv_compression
-    override = cfg.eval.path is not None and any(item.strip() != "rollout" for item in cfg.eval.kv.split(","))
-    return EngineKVSettings(policy=kv.policy, budget=kv.budget, sink=kv.sink, window=kv.window, interval=kv.interval,
-                            selection=kv.selection, shared_scores=kv.shared_scores, params=kv.policy_params(),
-                            allow_request_override=override)
+    override = False
+    if cfg.eval.path is not None:
+        from sparse_rl_mega.evaluation import needs_request_override, parse_kv_variants
+
+        override = needs_request_override(parse_kv_variants(cfg.eval.kv, kv))
+    return EngineKVSettings.from_config(kv, allow_request_override=override)
 
 
 def engine_memory(cfg: RunConfig, gpu_bytes: int, prompt_tokens: int, resident_bytes: int = 0) -> EngineMemory:
@@ -276,13 +279,12 @@ def engine_memory(cfg: RunConfig, gpu_bytes: int, prompt_tokens: int, resident_b
     per_token = 2 * a.num_layers * kv_heads * a.kv_channels * dtype_bytes  # K and V [layers, kv_heads, d]
     free = max(0, gpu_bytes - resident_bytes)
     settings = engine_settings(cfg)
-    side, running, graphs = {}, 0, "CUDA graphs on"
+    side, running, graphs = {}, 0, cuda_graphs_allowed(settings)[1]
     if records_queries(settings):  # rollout/engine.py: taken out of mem_fraction_static before SGLang sizes its pool
         running = r.max_running_requests or DEFAULT_RUNNING_REQUESTS
         side = side_buffer_bytes(settings, running_requests=running, layers=a.num_layers,
                                  q_heads=a.num_attention_heads // tp, kv_heads=kv_heads, head_dim=a.kv_channels,
                                  dtype_bytes=dtype_bytes, prompt_tokens=prompt_tokens)
-        graphs = "CUDA graphs off (the policy records decode queries in a Python hook)"
     static = int(free * r.mem_fraction_static) - sum(side.values())
     pool_tokens = max(0, static - n * dtype_bytes) // per_token
     if r.max_total_tokens:

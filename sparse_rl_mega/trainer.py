@@ -142,6 +142,7 @@ class Trainer:
         if self.placement is not None:
             from transformers import AutoTokenizer
 
+            from sparse_rl_mega.evaluation import needs_request_override
             from sparse_rl_mega.reward import build_scorer
             from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
 
@@ -154,7 +155,7 @@ class Trainer:
             if cfg.eval.path is not None and self.rank == 0:
                 self.setup_eval()
                 # dense (or another policy) for evaluation requests: the engine accepts per-request settings
-                kv_settings.allow_request_override = any(o is not None for _, o in self.eval_variants)
+                kv_settings.allow_request_override = needs_request_override(self.eval_variants)
             self.engine = RolloutEngine(cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                                         max_total_tokens=r.max_total_tokens,
                                         max_running_requests=r.max_running_requests,

@@ -85,7 +85,8 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
     pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
-    from sparse_rl_mega.rollout.engine import RolloutEngine, cuda_graphs_allowed
+    from sglang_patches.settings import cuda_graphs_allowed
+    from sparse_rl_mega.rollout.engine import RolloutEngine
 
     cases = [(None, build_policy("streaming", sink=2, window=4)),
              ({"policy": "rkv"}, build_policy("rkv", sink=2, window=4)),

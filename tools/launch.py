@@ -58,12 +58,12 @@ def describe_layout(cfg: RunConfig) -> str:
     p, r, kv, m = cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     from sparse_rl_mega.planner import engine_settings
-    from sglang_patches.settings import records_queries
+    from sglang_patches.settings import cuda_graphs_allowed
 
     selection = "" if kv.policy in ("none", "streaming") else (
         f", {kv.selection} selection" + (f" ({kv.shared_scores} scores)" if kv.selection == "shared" else ""))
-    graphs = ("; GPU engines without CUDA graphs (decode queries recorded in a Python hook)"
-              if records_queries(engine_settings(cfg)) else "")
+    graphs_on, why = cuda_graphs_allowed(engine_settings(cfg))
+    graphs = "" if graphs_on else f"; GPU engines: {why}"
     kv_line = ("dense (no KV compression)" if kv.policy == "none" else
                f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}{selection}), "
                f"compress every {kv.interval} decode tokens past the budget{graphs}")

@@ -13,8 +13,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings, records_queries,
-                                     side_buffer_bytes)
+from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
+                                     cuda_graphs_allowed, records_queries, side_buffer_bytes)
 from sparse_rl_mega.kv.policies import build_policy
 
 
@@ -82,22 +82,7 @@ def engine_kv_settings(kv_cfg, tokenizer=None) -> EngineKVSettings:
         if tokenizer is None:
             raise ValueError("the newline trigger needs the tokenizer to find newline tokens")
         newlines = newline_token_ids(tokenizer)
-    return EngineKVSettings(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink, window=kv_cfg.window,
-                            interval=kv_cfg.interval, selection=kv_cfg.selection, shared_scores=kv_cfg.shared_scores,
-                            params=kv_cfg.policy_params(), newline_token_ids=newlines)
-
-
-def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
-    """Whether a GPU engine may capture CUDA graphs with these KV settings, and why not.
-
-    Scoring policies record each decode step's queries (and H2O's attention mass) from a Python hook on
-    ``RadixAttention.forward`` indexed by CPU-side request state: a captured graph would run the hook
-    once at capture with no requests and a replay would record nothing. Such engines run eagerly, as the
-    paper's own code does (``--disable-cuda-graph``). StreamingLLM only compacts rows between steps."""
-    if records_queries(kv):
-        what = "per-request policies" if kv.allow_request_override else f"{kv.policy}"
-        return False, f"CUDA graphs off: {what} record decode queries in a Python hook"
-    return True, "CUDA graphs on"
+    return EngineKVSettings.from_config(kv_cfg, newline_token_ids=newlines)
 
 
 def _hf_shape(model_path: str) -> dict:

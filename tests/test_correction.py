@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from sparse_rl_mega.algo.advantages import grpo_advantages
 from sparse_rl_mega.algo.correction import compute_correction
-from sparse_rl_mega.algo.loss import policy_loss
+from sparse_rl_mega.algo.loss import policy_loss, ppo_token_loss
 from sparse_rl_mega.config import CORRECTION_PRESETS, AlgorithmConfig, CorrectionConfig, ConfigError, config_from_dict
 
 B, T = 6, 9
@@ -158,9 +158,9 @@ def test_mismatch_metrics_match_formulas():
     logp_old, logp_sparse, mask = _batch(seed=5)
     _, _, metrics = compute_correction(logp_old, logp_sparse, mask, "naive")
     lr = (logp_old - logp_sparse).clamp(-20, 20)[mask > 0]
-    assert metrics["mismatch/k1"] == pytest.approx(float((-lr).mean()), rel=1e-9)
-    assert metrics["mismatch/k2"] == pytest.approx(float((0.5 * lr ** 2).mean()), rel=1e-9)
-    assert metrics["mismatch/k3"] == pytest.approx(float((lr.exp() - 1 - lr).mean()), rel=1e-9)
+    assert metrics["mismatch/k1"] == pytest.approx(float((-lr).mean()), rel=1e-12)
+    assert metrics["mismatch/k2"] == pytest.approx(float((0.5 * lr ** 2).mean()), rel=1e-12)
+    assert metrics["mismatch/k3"] == pytest.approx(float((lr.exp() - 1 - lr).mean()), rel=1e-12)
 
 
 def test_vetoed_and_rejected_tokens_get_zero_gradient():
@@ -178,6 +178,42 @@ def test_vetoed_and_rejected_tokens_get_zero_gradient():
     assert torch.all(logp_theta.grad[rejected] == 0)
     assert torch.all(logp_theta.grad[1] == 0)  # the vetoed sequence
     assert (logp_theta.grad[loss_mask > 0] != 0).all()
+
+
+def test_truncation_caps_the_weights_at_the_bound():
+    """Ratios far above the truncation bound U come out as exactly U; with a much larger bound the same
+    tokens keep their raw ratios, so the cap is what bounds them. tis: U = 2, no normalisation, no
+    rejection, so the weights returned are the truncated ones themselves."""
+    ratios = torch.tensor([[0.6, 1.0, 1.3, 5.0, 40.0, 3000.0]], dtype=torch.float64)
+    logp_sparse = torch.full_like(ratios, -2.5)
+    logp_old = logp_sparse + ratios.log()
+    mask = torch.ones_like(ratios)
+    tis = CorrectionConfig.from_preset("tis")
+    assert (tis.is_mode, tis.is_high, tis.is_batch_normalize) == ("truncate", 2.0, False)
+    above = ratios > 2.0
+    assert above.any() and (~above).any()
+
+    weights, loss_mask, metrics = compute_correction(logp_old, logp_sparse, mask, tis)
+    assert torch.equal(loss_mask, mask)
+    assert torch.all(weights[above] == 2.0)
+    assert torch.allclose(weights[~above], ratios[~above], rtol=1e-12, atol=0)
+    assert metrics["correction/is_weight_max"] == 2.0
+
+    loose, _, _ = compute_correction(logp_old, logp_sparse, mask, CorrectionConfig.from_preset("tis", is_high=1e6))
+    assert torch.allclose(loose, ratios, rtol=1e-12, atol=0)
+    assert torch.all(loose[above] > 2 * 2.0)  # untruncated, these weights would be far above the bound
+
+    # sparse_rl (U = 1.5): truncation comes before the batch normalisation
+    normalised, _, _ = compute_correction(logp_old, logp_sparse, mask, "sparse_rl")
+    capped = ratios.clamp(max=1.5)
+    assert torch.allclose(normalised, capped / capped.mean(), rtol=1e-12, atol=0)
+
+    # sequence level: the sequence's weight prod_t rho_t (here 1.3 * 5 * 40) is capped as a whole
+    seq = CorrectionConfig.from_preset("tis", is_level="sequence")
+    row_mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.float64)
+    seq_weights, _, _ = compute_correction(logp_old.expand(2, -1), logp_sparse.expand(2, -1), row_mask, seq)
+    assert torch.equal(seq_weights[0], 2.0 * row_mask[0])
+    assert torch.allclose(seq_weights[1], 0.6 * row_mask[1], rtol=1e-12, atol=0)
 
 
 # ----------------------------------------------------------------------------- PPO part
@@ -227,6 +263,39 @@ def test_policy_loss_matches_loop_reference(agg, kl_estimator, dual_clip):
     expected = _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, weights, keep, algo)
     assert float(loss_sum / count) == pytest.approx(expected, rel=1e-12)
     assert 0 < stats["clipped_tokens"] < stats["kept_tokens"]
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    """A token with A < 0 whose ratio exploded: PPO clipping alone leaves its loss at -r A (growing with
+    r), the dual clip caps it at -c A = c |A| (a positive loss, constant in theta). A < 0 with a small
+    ratio and A > 0 are left alone."""
+    c, eps = 3.0, 0.2
+    log_r = torch.tensor([[6.0], [6.0], [0.05], [6.0]], dtype=torch.float64)  # r = e^6 ~ 403
+    adv = torch.tensor([-2.0, -0.5, -2.0, 1.5], dtype=torch.float64)
+    r = log_r.exp()
+    logp_old = torch.full_like(log_r, -1.0)
+    logp_theta = (logp_old + log_r).requires_grad_(True)
+    ones = torch.ones_like(log_r)
+
+    capped, clipped = ppo_token_loss(logp_theta, logp_old, adv.unsqueeze(1), eps, eps, dual_clip=c)
+    uncapped, _ = ppo_token_loss(logp_theta, logp_old, adv.unsqueeze(1), eps, eps, dual_clip=None)
+    expected = torch.tensor([[c * 2.0], [c * 0.5], [2.0 * float(r[2, 0])], [-(1 + eps) * 1.5]], dtype=torch.float64)
+    assert torch.equal(capped[:2], expected[:2])  # exactly c |A|
+    assert torch.allclose(capped, expected, rtol=1e-12, atol=0)
+    assert torch.allclose(uncapped[:2], -r[:2] * adv[:2, None], rtol=1e-12, atol=0)
+    assert torch.all(uncapped[:2] > 50 * capped[:2])  # without the dual clip: -r A, ~134 times c |A|
+    assert torch.equal(uncapped[2:], capped[2:])
+    assert clipped.squeeze(1).tolist() == [True, True, False, True]
+
+    # through policy_loss: one token per sequence, summed
+    algo = AlgorithmConfig(eps_clip_low=eps, eps_clip_high=eps, dual_clip=c, loss_agg_mode="seq-mean-token-sum")
+    loss_sum, count, stats = policy_loss(logp_theta, logp_old, adv, ones, ones, algo)
+    assert count == 4 and stats["clipped_tokens"] == 3
+    assert float(loss_sum) == pytest.approx(float(expected.sum()), rel=1e-12)
+    loss_sum.backward()
+    assert logp_theta.grad[:2].abs().max() == 0 and logp_theta.grad[2] != 0  # the capped tokens give no gradient
+    off = AlgorithmConfig(eps_clip_low=eps, eps_clip_high=eps, dual_clip=None, loss_agg_mode="seq-mean-token-sum")
+    assert float(policy_loss(logp_theta, logp_old, adv, ones, ones, off)[0]) > 100 * float(loss_sum)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -279,5 +348,5 @@ def test_data_parallel_split_equals_whole_batch():
         assert torch.allclose(torch.cat([parts[0][key][0], parts[1][key][0]]), w, rtol=1e-12, atol=1e-14)
         assert torch.equal(torch.cat([parts[0][key][1], parts[1][key][1]]), m)
         for name, value in metrics.items():
-            assert parts[0][key][2][name] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, name)
+            assert parts[0][key][2][name] == pytest.approx(value, rel=1e-12, abs=1e-15), (key, name)
             assert parts[1][key][2][name] == parts[0][key][2][name]

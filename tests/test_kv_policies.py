@@ -44,7 +44,7 @@ def published_importance(keys, queries, kv_head, gqa_pool="max", kernel=7, pool=
         # logits[g][j]: query head g of the group against key j, one key vector at a time
         logits = [(keys[kv_head, :older].double() @ queries[kv_head * group + g, i].double() / math.sqrt(dim)).tolist()
                   for g in range(group)]
-        pooled = [max(col) if gqa_pool == "max" else sum(col) / group for col in zip(*logits)]
+        pooled = [max(col) if gqa_pool == "max" else sum(col) / group for col in zip(*logits, strict=True)]
         for j, p in enumerate(_softmax(pooled)):
             mean_probs[j] += p / window
     half, out = kernel // 2, []
@@ -73,8 +73,8 @@ def published_score(name, keys, queries, kv_head, lam=0.1, **importance):
     imp = published_importance(keys, queries, kv_head, **importance)
     if name == "snapkv":
         return imp
-    red = published_redundancy(keys, kv_head)
-    return [lam * a - (1 - lam) * r for a, r in zip(imp, red)]
+    red = published_redundancy(keys, kv_head)[:len(imp)]  # redundancy of all keys, sliced to the scored ones
+    return [lam * a - (1 - lam) * r for a, r in zip(imp, red, strict=True)]
 
 
 def published_kept(name, layer_keys, layer_queries, budget, selection, shared_scores="first_layer", sink=0,
@@ -169,7 +169,8 @@ def test_selection_keeps_sink_window_and_top_scores():
     kept = policy.select(keys, queries, budget)
     scores = policy.score(keys, queries)
     assert scores.shape == (KV_HEADS, LENGTH - WINDOW)
-    for row, head_scores in zip(kept, scores):
+    assert kept.shape == (KV_HEADS, budget)
+    for row, head_scores in zip(kept, scores, strict=True):
         chosen = set(row.tolist())
         assert len(chosen) == budget and row.tolist() == sorted(row.tolist())
         assert {0, 1} | set(range(LENGTH - WINDOW, LENGTH)) <= chosen
@@ -204,7 +205,75 @@ def test_decode_attention_mass_sums_group_probabilities():
     keys, queries = _tensors(4)
     mass = decode_attention_mass(keys, queries[:, 0], DIM ** -0.5)
     assert mass.shape == (KV_HEADS, LENGTH)
-    assert torch.allclose(mass.sum(dim=1), torch.full((KV_HEADS,), float(Q_HEADS // KV_HEADS)), atol=1e-5)
+    assert torch.allclose(mass.sum(dim=1), torch.full((KV_HEADS,), float(Q_HEADS // KV_HEADS)), atol=1e-6)
+
+
+def reference_attention_mass(keys, query, scaling, length=None, kv_of=None):
+    """H2O's mass of one decode query, one query head at a time: query head ``h`` attends with KV head
+    ``h // (q_heads // kv_heads)`` (consecutive query heads share a KV head, as transformers' ``repeat_kv``
+    and SGLang's GQA kernels); ``softmax_j(scaling * q_h . k_j)`` over the keys ``j < length``, added to
+    that KV head's row. ``kv_of`` swaps in another head grouping (to show the test can tell them apart)."""
+    kv_heads, width, _ = keys.shape
+    q_heads = query.shape[0]
+    group = q_heads // kv_heads
+    length = width if length is None else length
+    kv_of = kv_of or (lambda h: h // group)
+    mass = [[0.0] * width for _ in range(kv_heads)]
+    for h in range(q_heads):
+        kv = kv_of(h)
+        logits = [scaling * float(keys[kv, j].double() @ query[h].double()) for j in range(length)]
+        for j, p in enumerate(_softmax(logits)):
+            mass[kv][j] += p
+    return torch.tensor(mass, dtype=torch.float64)
+
+
+def test_reference_grouping_is_repeat_kv():
+    """The reference's grouping is the one of transformers' attention: repeat_kv gives query head h the
+    KV head h // group."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    keys = torch.arange(3.0).view(1, 3, 1, 1)  # KV head k holds the value k
+    expanded = repeat_kv(keys, 4)[0, :, 0, 0]
+    assert expanded.tolist() == [h // 4 for h in range(12)]
+
+
+def test_decode_attention_mass_matches_a_per_head_loop():
+    """Not only do the rows add up to the group size: every entry is the loop's, and the inputs are
+    such that the other grouping (h % kv_heads) or another scale would give other numbers."""
+    g = torch.Generator().manual_seed(6)
+    kv_heads, q_heads, length, dim, scaling = 2, 6, 11, 8, 0.7  # scaling is not dim ** -0.5
+    keys = torch.randn(kv_heads, length, dim, generator=g, dtype=torch.float64)
+    query = torch.randn(q_heads, dim, generator=g, dtype=torch.float64)
+    mass = decode_attention_mass(keys, query, scaling)
+    expected = reference_attention_mass(keys, query, scaling)
+    assert mass.dtype == torch.float32 and mass.shape == (kv_heads, length)
+    assert torch.allclose(mass.double(), expected, rtol=0, atol=1e-6)
+    # the test tells the convention apart: every alternative is far from the reference
+    alternatives = {
+        "h % kv_heads": reference_attention_mass(keys, query, scaling, kv_of=lambda h: h % kv_heads),
+        "1 / sqrt(head_dim)": reference_attention_mass(keys, query, dim ** -0.5),
+        "no scaling": reference_attention_mass(keys, query, 1.0),
+    }
+    for name, other in alternatives.items():
+        assert (other - expected).abs().max() > 1e-2, name
+
+
+def test_batched_decode_attention_mass_masks_past_each_length():
+    """With a batch and ``lengths``: each request's softmax runs over its own keys only; keys past its
+    length (junk in the padded cache) get nothing."""
+    g = torch.Generator().manual_seed(8)
+    kv_heads, q_heads, width, dim, scaling = 2, 4, 10, 8, 0.45
+    lengths = [10, 6, 1]
+    keys = torch.randn(len(lengths), kv_heads, width, dim, generator=g, dtype=torch.float64) * 2
+    query = torch.randn(len(lengths), q_heads, dim, generator=g, dtype=torch.float64)
+    mass = decode_attention_mass(keys, query, scaling, lengths=torch.tensor(lengths))
+    assert mass.shape == (len(lengths), kv_heads, width)
+    for r, length in enumerate(lengths):
+        expected = reference_attention_mass(keys[r], query[r], scaling, length=length)
+        assert torch.allclose(mass[r].double(), expected, rtol=0, atol=1e-6), r
+        assert torch.all(mass[r, :, length:] == 0)  # empty for the full-length request
+    # unmasked, the short requests would spread mass over the junk keys
+    assert not torch.allclose(decode_attention_mass(keys, query, scaling)[1], mass[1], atol=1e-2)
 
 
 def test_window_attention_mass_equals_step_by_step_mass():
@@ -214,7 +283,7 @@ def test_window_attention_mass_equals_step_by_step_mass():
     keys = torch.randn(2, KV_HEADS, 14, DIM, generator=g)  # padded past each length with junk
     queries = torch.randn(2, Q_HEADS, window, DIM, generator=g)
     batched = window_attention_mass(keys, queries, 0.3, torch.tensor(lengths), torch.tensor(counts))
-    for r, (length, count) in enumerate(zip(lengths, counts)):
+    for r, (length, count) in enumerate(zip(lengths, counts, strict=True)):
         expected = torch.zeros(KV_HEADS, 14)
         for i in range(window - count, window):  # query i was decoded with keys [0, position]
             position = length - window + i

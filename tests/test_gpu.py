@@ -3,13 +3,12 @@
 * eviction scoring and the batched attention mass on CUDA tensors choose exactly what they choose
   on the CPU (the engine patch calls them with the KV pool's device tensors);
 * the correction on CUDA equals the CPU's;
-* the Megatron learner with Transformer Engine layers (bf16, and FP8 where the GPU supports it)
-  against the local spec and transformers (tests/helpers/gpu_learner_check.py);
+* the Megatron learner with Transformer Engine layers (float32 and bf16) against the local spec and
+  transformers, and with FP8 against bf16 (skipped, with the reason, on a GPU without FP8)
+  (tests/helpers/gpu_learner_check.py);
 * the SGLang engine on the GPU against the pure-torch reference decoder: StreamingLLM with CUDA graphs,
   R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python).
 """
-import os
-
 import pytest
 import torch
 
@@ -57,25 +56,69 @@ def test_correction_on_cuda_equals_cpu():
     torch.testing.assert_close(w_gpu.cpu(), w_cpu)
     assert torch.equal(keep_gpu.cpu(), keep_cpu)
     assert m_gpu.keys() == m_cpu.keys()
+    # float64 sums of at most 160 terms whose order alone differs by device: far inside 1e-9
+    assert m_gpu == pytest.approx(m_cpu, rel=1e-9, abs=1e-12)
 
 
-def test_learner_with_transformer_engine(tiny_model_dir, tmp_path):
+def _report_checks(lines: list[str]) -> dict[str, tuple[str, str]]:
+    """``{name: (PASS|FAIL|SKIP, detail)}`` from the lines of gpu_learner_check.py's report."""
+    checks = {}
+    for line in lines:
+        status, _, rest = line.partition(" ")
+        if status in ("PASS", "FAIL", "SKIP"):
+            name, _, detail = rest.partition(": ")
+            checks[name] = (status, detail)
+    return checks
+
+
+@pytest.fixture(scope="module")
+def te_learner_report(tiny_model_dir, tmp_path_factory):
+    """One run of tests/helpers/gpu_learner_check.py: its checks, report lines, exit status and a log."""
     pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
-    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_learner_check.py", tiny_model_dir, tmp_path / "report.txt",
+    report = tmp_path_factory.mktemp("te_learner") / "report.txt"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_learner_check.py", tiny_model_dir, report,
                         nproc=1, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    print((tmp_path / "report.txt").read_text())
+    lines = report.read_text().splitlines() if report.exists() else []
+    log = "\n".join(["report:", *lines, f"exit status {proc.returncode}", proc.stdout[-3000:], proc.stderr[-5000:]])
+    return _report_checks(lines), lines, proc.returncode, log
+
+
+LEARNER_CHECKS = [f"{dtype} {a} vs {b}" for dtype in ("fp32", "bf16")
+                  for a, b in (("local", "transformers fp32"), ("transformer_engine", "transformers fp32"),
+                               ("transformer_engine", "local"))]
+
+
+def test_learner_with_transformer_engine(te_learner_report):
+    """Local spec and Transformer Engine layers against transformers and each other (float32, bfloat16),
+    under bfloat16 bounds that the helper shows to catch real weight-map / layer-spec mistakes."""
+    checks, lines, returncode, log = te_learner_report
+    print(log)
+    assert "END" in lines, "the helper stopped before its last part\n" + log
+    bound_checks = [name for name in checks if name.startswith("bf16 bound catches")]
+    assert len(bound_checks) >= 3, log
+    for name in LEARNER_CHECKS + bound_checks:
+        assert checks.get(name, ("missing",))[0] == "PASS", f"{name}\n{log}"
+    failed = [name for name, (status, _) in checks.items() if status == "FAIL"]
+    assert all(name.startswith("fp8") for name in failed), log  # FP8's own are test_learner_fp8's
+    assert returncode == (1 if failed else 0), log
+
+
+def test_learner_fp8(te_learner_report):
+    """Transformer Engine with FP8 where the GPU supports it: finite, in effect, close to bfloat16."""
+    checks, lines, _, log = te_learner_report
+    assert "END" in lines, "the helper stopped before the FP8 part\n" + log
+    fp8 = {name: value for name, value in checks.items() if name.startswith("fp8")}
+    if fp8.get("fp8", ("",))[0] == "SKIP":
+        pytest.skip(f"FP8 not supported: {fp8['fp8'][1]}")
+    assert fp8, "no FP8 check in the report\n" + log
+    assert {status for status, _ in fp8.values()} == {"PASS"}, log
+    assert any(name.endswith(" vs bf16 transformer_engine") for name in fp8), log
 
 
 @pytest.fixture
-def gpu_engine_env():
-    saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "0"
-    yield
-    if saved is None:
-        os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    else:
-        os.environ["SGLANG_USE_CPU_ENGINE"] = saved
+def gpu_engine_env(monkeypatch):
+    """SGLang's GPU engine for this test; monkeypatch restores the variable whatever the outcome."""
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
 
 
 def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_engine_env):

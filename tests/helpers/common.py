@@ -24,10 +24,22 @@ def start(model_dir: str, tp: int, pp: int, group_size: int, global_batch: int, 
 
 def init_parallel(tp: int, pp: int, vpp: int = 1, cp: int = 1) -> None:
     """gloo process group and Megatron's parallel state (once per process)."""
-    from megatron.core import parallel_state as ps
+    init_process_group()
+    set_layout(tp, pp, vpp, cp)
 
+
+def init_process_group() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+
+
+def set_layout(tp: int, pp: int, vpp: int = 1, cp: int = 1) -> None:
+    """Megatron's parallel state at this layout; an earlier one is torn down first, so that one torchrun
+    session can check several layouts."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  context_parallel_size=cp)

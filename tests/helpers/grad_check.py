@@ -1,79 +1,103 @@
-"""Run under torchrun by tests/test_layout_invariance.py: the full corrected loss's gradient of one
-fixed global batch at a given TP/PP/DP layout and micro-batch size, saved in HF names by rank 0.
+"""Run under torchrun by tests/test_layout_invariance.py: a list of jobs, each at its own TP/PP/CP/DP
+layout, in one torchrun session (Megatron's model-parallel state is re-initialised between jobs, so
+the processes start once for all of them). Rank 0 saves one result per job name.
 
-    torchrun --nproc-per-node W tests/helpers/grad_check.py MODEL_DIR TP PP MICRO_BATCH OUT.pt [PARALLEL_JSON]
+    torchrun --nproc-per-node W tests/helpers/grad_check.py OUT.pt JOBS_JSON
 
-PARALLEL_JSON: more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"context_parallel_size": 2}``.
+JOBS_JSON: a list of ``{"name", "kind", "model", "tp", "pp", "mbs", "parallel"}``; ``parallel`` holds
+more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"context_parallel_size": 2}``.
 
-Every rank builds the same global batch (8 sequences, 2 GRPO groups) with fixed synthetic sampler,
-reference and anchor logprobs around the model's own dense logprobs, so PPO clipping, dual clipping,
-the veto, token rejection, IS truncation, the KL and entropy terms are all active.
+kind "gradient": the full corrected loss's gradient of the fixed global batch of grad_batch.py (every
+correction active), in float32 and float64, for the three loss aggregations, gathered in HF names;
+also how often the layers and their core attention ran forward in the training pass against the
+no-grad pass (activation recomputation runs them twice).
+
+kind "optimizer": two optimizer steps on that batch with the replicated Adam and with Megatron's
+distributed optimizer (float32): the weights after them, the step metrics, and how many Adam state
+values each rank holds.
 """
 import json
 import sys
 
-from common import start  # (first: CPU shims before Megatron)
+from common import init_process_group, run_config, set_layout  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
-N, WIDTH, GROUP = 8, 14, 4
+from grad_batch import AGG_MODES, ALGORITHM, GROUP, N, fill_loss_inputs, synthetic_batch  # noqa: E402
 
 
-def synthetic_batch(vocab: int):
-    from sparse_rl_mega.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, vocab, (N, WIDTH + 1), generator=g)
-    mask = torch.zeros(N, WIDTH)
-    for i in range(N):
-        start = 2 + i % 4           # label position of the first response token
-        end = WIDTH - (i * 3) % 5   # right padding of varying length
-        mask[i, start:end] = 1.0
-    return RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=mask,
-                        logp_sparse=torch.zeros(N, WIDTH), rewards=torch.randint(0, 2, (N,), generator=g).float(),
-                        group_ids=torch.arange(N) // GROUP)
-
-
-def main() -> None:
-    model_dir, tp, pp, mbs, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    parallel = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
-    cfg = start(model_dir, tp, pp, GROUP, N, mbs, {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01}, parallel)
+def _local_batch(cfg, learner, dtype):
+    """This DP rank's rows of the global batch with every loss input set; the correction's metrics."""
     from megatron.core import parallel_state as ps
 
-    from sparse_rl_mega.algo.advantages import grpo_advantages
-    from sparse_rl_mega.algo.correction import compute_correction
+    from sparse_rl_mega.learner.step import forward_logprobs
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    full = synthetic_batch(cfg.model.arch.vocab_size)
+    rows = torch.arange(dp_rank * N // dp, (dp_rank + 1) * N // dp)
+    local = full.select(rows)
+    dense = forward_logprobs(learner.chunks, local, cfg.trainer.micro_batch_size).to(dtype)
+    metrics = fill_loss_inputs(local, dense, rows, full.rewards, group=ps.get_data_parallel_group())
+    return local, metrics
+
+
+class ForwardCounter:
+    """Counts forward calls of every transformer layer and of its core attention on this rank."""
+
+    def __init__(self, modules):
+        self.calls = {"layer": 0, "core_attention": 0}
+        self.handles = []
+        for module in modules:
+            for layer in module.decoder.layers:
+                self.handles.append(layer.register_forward_hook(self._count("layer")))
+                self.handles.append(layer.self_attention.core_attention.register_forward_hook(
+                    self._count("core_attention")))
+
+    def _count(self, key):
+        def hook(*_):
+            self.calls[key] += 1
+        return hook
+
+    def take(self) -> dict:
+        calls, self.calls = self.calls, {key: 0 for key in self.calls}
+        return calls
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _world_sum(calls: dict) -> dict:
+    values = torch.tensor([calls[k] for k in sorted(calls)], dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(sorted(calls), values.tolist()))
+
+
+def gradient_job(cfg, model_dir) -> dict:
+    from megatron.core import parallel_state as ps
+
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import REPORT_KEYS, forward_backward, forward_logprobs, sum_report
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_learner
 
-    dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
-    full = synthetic_batch(cfg.model.arch.vocab_size)
-    rows = torch.arange(dp_rank * N // dp, (dp_rank + 1) * N // dp)
     results = {}
     for dtype_name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
         cfg.model.dtype = dtype_name  # float64: rounding out of the way, the algorithm must agree exactly
         learner = build_learner(cfg)
         load_hf_into_learner(learner, model_dir, cfg.model.arch)
-        local = full.select(rows)
-        dense = forward_logprobs(learner.chunks, local, mbs)
-        g = torch.Generator().manual_seed(99)
-        noise = [torch.randn(N, WIDTH, generator=g, dtype=torch.float64)[rows].to(dtype) for _ in range(3)]
-        local.logp_old = dense + 0.3 * noise[0]      # the anchor: the policy has moved since
-        local.logp_old[rows == 1, 5] -= 12.0          # row 1: a token the dense policy finds ~impossible: vetoed
-        local.logp_sparse = dense + 0.4 * noise[1]   # the sparse sampler disagrees
-        local.logp_ref = dense - 0.2 * noise[2]
-        local.advantages = grpo_advantages(full.rewards, GROUP)[rows].to(dtype)
-        local.response_mask = local.response_mask.to(dtype)
-        local.is_weights, local.loss_mask, metrics = compute_correction(
-            local.logp_old, local.logp_sparse, local.response_mask, "sparse_rl", group=dp_group)
+        local, metrics = _local_batch(cfg, learner, dtype)
         results[dtype_name] = {"metrics": metrics}
         params = [p for chunk in learner.modules for p in chunk.parameters()]
         saved = [p.data.clone() for p in params]
+        counter = ForwardCounter(learner.modules)
         for mode in AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
-            report = sum_report(forward_backward(learner, local, cfg.algorithm, mbs))
+            counter.take()
+            report = sum_report(forward_backward(learner, local, cfg.algorithm, cfg.trainer.micro_batch_size))
+            trained = _world_sum(counter.take())
+            forward_logprobs(learner.chunks, local, cfg.trainer.micro_batch_size)
+            plain = _world_sum(counter.take())
             for p in params:  # expose the reduced, scaled gradients through the weight-gather path
                 p.data.copy_(p.main_grad)
             grads = gather_hf_state_dict(learner.modules, cfg.model.arch)
@@ -84,8 +108,48 @@ def main() -> None:
             loss = torch.tensor([values["loss_sum"] / values["count"] if ps.is_pipeline_last_stage() else -1e30],
                                 dtype=torch.float64)
             dist.all_reduce(loss, op=dist.ReduceOp.MAX)
-            if dist.get_rank() == 0:
-                results[dtype_name][mode] = {"grads": grads, "loss": float(loss)}
+            results[dtype_name][mode] = {"grads": grads, "loss": float(loss),
+                                         "forward_calls": {k: trained[k] / plain[k] for k in trained}}
+        counter.remove()
+    return results
+
+
+def optimizer_job(cfg, model_dir) -> dict:
+    from sparse_rl_mega.learner.model import build_learner
+    from sparse_rl_mega.learner.step import train_step
+    from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_learner
+
+    cfg.model.dtype = "float32"
+    results = {}
+    for sharded in (False, True):
+        cfg.parallel.use_distributed_optimizer = sharded
+        learner = build_learner(cfg)
+        load_hf_into_learner(learner, model_dir, cfg.model.arch)
+        local, _ = _local_batch(cfg, learner, torch.float32)
+        steps = [train_step(learner, local, cfg.algorithm, cfg.trainer.micro_batch_size) for _ in range(2)]
+        inner = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+        state_values = sum(t.numel() for opt in inner for s in opt.optimizer.state.values()
+                           for k, t in s.items() if k == "exp_avg")
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, state_values)
+        params = sum(p.numel() for chunk in learner.modules for p in chunk.parameters())
+        results["distributed" if sharded else "replicated"] = {
+            "weights": gather_hf_state_dict(learner.modules, cfg.model.arch), "steps": steps,
+            "adam_values_per_rank": held, "params_per_rank": params}
+    return results
+
+
+def main() -> None:
+    out_path, jobs = sys.argv[1], json.loads(sys.argv[2])
+    init_process_group()
+    results = {}
+    for job in jobs:
+        parallel = job.get("parallel", {})
+        set_layout(job["tp"], job["pp"], parallel.get("virtual_pipeline_model_parallel_size", 1),
+                   parallel.get("context_parallel_size", 1))
+        cfg = run_config(job["model"], job["tp"], job["pp"], GROUP, N, job["mbs"], dict(ALGORITHM), parallel)
+        run = gradient_job if job["kind"] == "gradient" else optimizer_job
+        results[job["name"]] = run(cfg, job["model"])
     if dist.get_rank() == 0:
         torch.save(results, out_path)
     dist.barrier()

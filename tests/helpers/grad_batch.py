@@ -1,0 +1,51 @@
+"""The fixed global batch of the gradient checks, shared by the Megatron helper (grad_check.py, under
+torchrun) and the transformers autograd reference (tests/test_layout_invariance.py). No side effects
+on import (no CPU shims, no Megatron).
+
+8 sequences in 2 GRPO groups, prompts and right padding of varying length; the sampler, anchor and
+reference logprobs are the model's own dense logprobs plus fixed noise, and one token of row 1 is
+made ~impossible for the anchor, so the veto, token rejection, IS truncation, PPO and dual clipping,
+the KL and the entropy terms are all active.
+"""
+import torch
+
+N, WIDTH, GROUP = 8, 14, 4
+AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+ALGORITHM = {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01}
+VETOED_ROW = 1
+
+
+def synthetic_batch(vocab: int):
+    from sparse_rl_mega.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (N, WIDTH + 1), generator=g)
+    mask = torch.zeros(N, WIDTH)
+    for i in range(N):
+        start = 2 + i % 4           # label position of the first response token
+        end = WIDTH - (i * 3) % 5   # right padding of varying length
+        mask[i, start:end] = 1.0
+    return RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=mask,
+                        logp_sparse=torch.zeros(N, WIDTH), rewards=torch.randint(0, 2, (N,), generator=g).float(),
+                        group_ids=torch.arange(N) // GROUP)
+
+
+def fill_loss_inputs(local, dense: torch.Tensor, rows: torch.Tensor, full_rewards: torch.Tensor, group=None):
+    """Set anchor, sampler and reference logprobs, advantages, IS weights and loss mask of ``local``
+    (rows ``rows`` of the global batch) from its dense logprobs ``dense [len(rows), WIDTH]``; returns the
+    correction's metrics (global over ``group``)."""
+    from sparse_rl_mega.algo.advantages import grpo_advantages
+    from sparse_rl_mega.algo.correction import compute_correction
+
+    dtype = dense.dtype
+    g = torch.Generator().manual_seed(99)
+    noise = [torch.randn(N, WIDTH, generator=g, dtype=torch.float64)[rows].to(dtype) for _ in range(3)]
+    local.logp_old = dense + 0.3 * noise[0]      # the anchor: the policy has moved since
+    local.logp_old[rows == VETOED_ROW, 5] -= 12.0  # a token the anchor finds ~impossible: vetoed
+    local.logp_sparse = dense + 0.4 * noise[1]   # the sparse sampler disagrees
+    local.logp_ref = dense - 0.2 * noise[2]
+    local.advantages = grpo_advantages(full_rewards, GROUP)[rows].to(dtype)
+    local.response_mask = local.response_mask.to(dtype)
+    local.is_weights, local.loss_mask, metrics = compute_correction(
+        local.logp_old, local.logp_sparse, local.response_mask, "sparse_rl", group=group)
+    return metrics

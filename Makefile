@@ -20,7 +20,6 @@ env:
 	@bash tools/setup_env.sh $(VENV)
 
 demo: env
-	@echo "(SGLang and Megatron print warnings about CUDA-only features; they are expected on CPU)"
 	$(PY) tools/prepare_model.py --out $(SMOLLM2)
 	$(PY) tools/prepare_data.py --benchmarks sums_train,sums_test --tokenizer $(SMOLLM2) \
 		--instruction 'Put your final answer within \boxed{}.'

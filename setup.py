@@ -23,7 +23,7 @@ setup(
     extras_require={
         # Never installed on CPU: Transformer Engine breaks `import megatron.core` without CUDA.
         "gpu": ["transformer-engine[pytorch]>=2.4", "sglang-kernel", "flashinfer-python"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "hypothesis"],
     },
     entry_points={
         # Loaded by SGLang's load_plugins() inside every engine process (scheduler included).

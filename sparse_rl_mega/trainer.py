@@ -41,6 +41,31 @@ class PhaseTimer:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}
 
 
+# the launcher's start time (time.time()), passed to the torchrun workers: start-up is counted from it
+LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"
+# a 70B engine loads its weights for minutes; beyond this something is wrong
+ENGINE_START_TIMEOUT_S = 1800.0
+
+
+class StartupClock:
+    """Where a rank's start-up went: wall seconds of consecutive named phases, the first counted from
+    the launcher's start; rank 0 prints them as one line."""
+
+    def __init__(self, launched_at: Optional[float] = None) -> None:
+        self.launched_at = self.last = launched_at if launched_at is not None else time.time()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """The time since the previous mark was spent on ``name``."""
+        now = time.time()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases.items() if seconds >= 0.05)
+        return f"{self.last - self.launched_at:.1f} s" + (f" ({parts})" if parts else "")
+
+
 def ensure_model(cfg: RunConfig) -> None:
     """Build the tiny local model on rank 0 when the config asks for it and it is missing."""
     if Path(cfg.model.path, "config.json").is_file():
@@ -54,7 +79,7 @@ def ensure_model(cfg: RunConfig) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, launched_at: Optional[float] = None):
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.engine = None
@@ -65,6 +90,9 @@ class Trainer:
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.placement = None  # this rank's engine, when it hosts one (sparse_rl_mega/rollout/placement.py)
         self.engine_released = False  # a colocated GPU engine gave its memory to the learner
+        self.engine_start = None  # this host's engine while it starts (rollout/engine.py EngineStart)
+        self.engine_seconds: Optional[float] = None  # how long it took to come up
+        self.clock = StartupClock(launched_at)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -92,6 +120,12 @@ class Trainer:
         if self.rank == 0:
             ensure_model(cfg)
         dist.barrier()
+        self.clock.mark("launch and imports")
+        # the engine starts in the background while the learner is built and loaded, except a colocated
+        # one on a GPU: it sizes its KV pool from the memory that the loaded learner leaves
+        overlap = not (torch.cuda.is_available() and cfg.rollout.placement == "colocated")
+        if overlap:
+            self.begin_engine_start()
         self.learner = build_learner(cfg)
         load_hf_into_learner(self.learner, cfg.model.path, cfg.model.arch)
         if cfg.algorithm.kl_coef > 0:  # frozen reference policy = the initial weights
@@ -99,12 +133,15 @@ class Trainer:
 
             self.ref_model = build_reference_model(cfg)
             load_hf_into_model(self.ref_model, cfg.model.path, cfg.model.arch)
+        self.clock.mark("learner")
         virtual = f"x{vpp} virtual" if vpp > 1 else ""
         log(f"[setup] learner TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size}{virtual} "
             f"CP={p.context_parallel_size} DP={self.dp_size}; weights loaded from {cfg.model.path}")
         self.maybe_resume()
+        self.clock.mark("checkpoint")
+        if not overlap:
+            self.begin_engine_start()
 
-        self.start_engines()
         if self.rank == 0:
             from sparse_rl_mega.tracking import Tracker
 
@@ -113,10 +150,16 @@ class Trainer:
             if self.tracker.enabled:
                 how = "continued" if self.tracker.continued else "started"
                 log(f"[setup] MLflow run {self.tracker.run_id} {how} at {self.tracker.tracking_uri}")
+        self.clock.mark("MLflow")
+        self.finish_engine_start()
+        self.clock.mark("waiting for the engine")
         dist.barrier()
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
             self.sync_weights(PhaseTimer(), None)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
+            self.clock.mark("weights to the engine")
+        engine = f"; engine up in {self.engine_seconds:.1f} s" if self.engine_seconds is not None else ""
+        log(f"[setup] ready {self.clock.line()} after launch{engine}")
 
     def longest_prompt_tokens(self) -> int:
         """Tokens of the longest training or held-out prompt: bounds H2O's side buffer on a GPU engine."""
@@ -125,10 +168,10 @@ class Trainer:
         prompts = [r.prompt for r in self.dataset.records] + list(getattr(self, "eval_prompts", []) or [])
         return max(len(p) if isinstance(p, list) else len(encode_prompt(self.tokenizer, p)) for p in prompts)
 
-    def start_engines(self) -> None:
-        """Every engine host starts its engine (with its reward scorer); with the broadcast sync, rank 0
-        and every engine join one weight group (sparse_rl_mega/rollout/placement.py)."""
-        from sparse_rl_mega.rollout.placement import engine_placements, weight_group_size
+    def begin_engine_start(self) -> None:
+        """Every engine host starts its reward scorer and, on a background thread, its engine
+        (sparse_rl_mega/rollout/placement.py); :meth:`finish_engine_start` waits for it."""
+        from sparse_rl_mega.rollout.placement import engine_placements
 
         cfg, r = self.cfg, self.cfg.rollout
         p = cfg.parallel
@@ -144,26 +187,36 @@ class Trainer:
 
             from sparse_rl_mega.evaluation import needs_request_override
             from sparse_rl_mega.reward import build_scorer
-            from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
+            from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings
 
             self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            started = time.perf_counter()
             log(f"[setup] starting {len(self.placements)} SGLang engine(s) x TP {r.engine_tensor_parallel_size} "
-                f"({r.placement}; KV policy {r.kv_compression.policy}, budget {r.kv_compression.budget}) ...")
+                f"({r.placement}; KV policy {r.kv_compression.policy}, budget {r.kv_compression.budget}) "
+                f"while the learner loads ...")
             kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
             if cfg.eval.path is not None and self.rank == 0:
                 self.setup_eval()
                 # dense (or another policy) for evaluation requests: the engine accepts per-request settings
                 kv_settings.allow_request_override = needs_request_override(self.eval_variants)
-            self.engine = RolloutEngine(cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                                        max_total_tokens=r.max_total_tokens,
-                                        max_running_requests=r.max_running_requests,
-                                        mem_fraction_static=r.mem_fraction_static,
-                                        attention_backend=r.attention_backend, tp_size=r.engine_tensor_parallel_size,
-                                        base_gpu_id=self.placement.first_device, memory_saver=self.release_memory,
-                                        prompt_tokens=self.longest_prompt_tokens() if on_gpu else 0, log=log)
-            log(f"[setup] engine up in {time.perf_counter() - started:.1f} s")
+            self.engine_start = EngineStart(
+                cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
+                mem_fraction_static=r.mem_fraction_static, attention_backend=r.attention_backend,
+                tp_size=r.engine_tensor_parallel_size, base_gpu_id=self.placement.first_device,
+                memory_saver=self.release_memory, prompt_tokens=self.longest_prompt_tokens() if on_gpu else 0, log=log)
+
+    def finish_engine_start(self) -> None:
+        """Wait for this host's engine; with the broadcast sync, rank 0 and every engine then join one
+        weight group."""
+        from sparse_rl_mega.rollout.placement import weight_group_size
+
+        cfg, p = self.cfg, self.cfg.parallel
+        on_gpu = torch.cuda.is_available()
+        if self.engine_start is not None:
+            start, self.engine_start = self.engine_start, None
+            self.engine = start.result(ENGINE_START_TIMEOUT_S)
+            self.engine_seconds = start.seconds
         if cfg.trainer.sync_method == "broadcast":
             from sparse_rl_mega.ports import free_port
 
@@ -175,7 +228,7 @@ class Trainer:
             host, port = address[0]
             # NCCL refuses two members on one GPU: a colocated engine shares rank 0's GPU, so colocated
             # engines receive over gloo (staged through host memory); separate engines over NCCL
-            backend = "nccl" if on_gpu and r.placement == "separate" else "gloo"
+            backend = "nccl" if on_gpu and cfg.rollout.placement == "separate" else "gloo"
             size = weight_group_size(self.placements)
             if self.rank == 0:
                 self.engine.connect_weight_group(host, port, backend=backend, world_size=size)
@@ -542,14 +595,26 @@ class Trainer:
         log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
 
     def close(self, ok: bool) -> None:
+        clock = StartupClock()
+        if self.engine_start is not None:  # setup failed while the engine was starting: it must not outlive us
+            start, self.engine_start = self.engine_start, None
+            try:
+                self.engine = start.result(ENGINE_START_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (the start failed: nothing to shut down)
+                pass
         if self.tracker is not None:
             self.tracker.finish("FINISHED" if ok else "FAILED")
+            clock.mark("MLflow")
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+            clock.mark("engine")
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None
+            clock.mark("reward workers")
+        if ok:
+            log(f"[done] shut down in {clock.line()}")
 
 
 def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
@@ -583,8 +648,9 @@ def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
             f"{m['time/iteration_s']:.1f} s")
 
 
-def run_training(cfg: RunConfig) -> None:
-    """Entry point for one torchrun rank (``tools/launch.py`` calls it)."""
+def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
+    """Entry point for one torchrun rank (``tools/launch.py`` calls it); ``launched_at``: when the
+    launcher started (``time.time()``), from which start-up is counted."""
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
 
     on_cpu = apply_if_cpu()
@@ -598,7 +664,7 @@ def run_training(cfg: RunConfig) -> None:
     # on GPU: NCCL for device tensors, gloo for the CPU tensors of the host-side work (correction,
     # metrics, the weight pieces streamed to rank 0)
     dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl")
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, launched_at)
     ok = False
     try:
         trainer.setup()

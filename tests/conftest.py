@@ -152,3 +152,14 @@ def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
         out.append(exact_answer_reward(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True),
                                        row["label"]))
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two pytest-xdist workers (pytest.ini: ``-n 2 --dist loadgroup``) share the suite by module, so a
+    module's engine starts once; every module that reads the shared ``e2e_run`` goes to one worker
+    (one launch), and that group is handed out first, as it is the longest."""
+    shared = {item.module.__name__ for item in items if "e2e_run" in getattr(item, "fixturenames", ())}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("e2e_run" if module in shared else module))
+    items.sort(key=lambda item: item.module.__name__ not in shared)  # stable: module order kept otherwise

@@ -32,6 +32,25 @@ def test_iterations_complete_and_metrics_land_in_mlflow(e2e_run):
     assert run.data.params["parallel.pipeline_model_parallel_size"] == "2"
 
 
+def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
+    """One line says where start-up went; the dependencies' CPU-only notices (sparse_rl_mega/quiet.py)
+    are filtered in the launcher, the torchrun workers and SGLang's processes alike."""
+    import re
+
+    from sparse_rl_mega.quiet import KNOWN_HARMLESS
+
+    _, proc = e2e_run
+    ready = re.search(r"\[setup\] ready ([\d.]+) s \(launch and imports [\d.]+, learner [\d.]+, .*MLflow [\d.]+.*\) "
+                      r"after launch; engine up in [\d.]+ s", proc.stdout)
+    assert ready, proc.stdout[:3000]
+    assert 0 < float(ready.group(1)) < 300
+    assert "[done] shut down in" in proc.stdout
+    output = proc.stdout + proc.stderr
+    for prefix, _ in KNOWN_HARMLESS:
+        assert prefix not in output, prefix
+    assert "UserWarning" not in output, [line for line in output.splitlines() if "Warning" in line][:5]
+
+
 def test_eviction_was_active_during_rollouts(e2e_run):
     client, run, _ = _run(e2e_run)
     evicted = [m.value for m in client.get_metric_history(run.info.run_id, "kv/evicted_tokens")]

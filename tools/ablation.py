@@ -171,6 +171,9 @@ def plot(data: dict[str, dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     try:
         out, runs = plan(args)

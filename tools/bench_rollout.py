@@ -102,6 +102,9 @@ def run_variants(engine, prompts, args, variants) -> dict:
 
 
 def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     import torch
 

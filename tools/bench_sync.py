@@ -120,6 +120,9 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         bench(args)

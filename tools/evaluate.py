@@ -182,6 +182,9 @@ def log_to_mlflow(results: dict, args, out: Path) -> None:
 
 
 def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     variants = parse_kv(args.kv)
     out = Path(args.out or ROOT / "runs" / "eval" / time.strftime("%Y%m%d-%H%M%S"))

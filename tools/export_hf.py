@@ -327,6 +327,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if args.device == "cpu":  # before CUDA is initialised

@@ -14,11 +14,15 @@ exits 0 when everything fits, 3 when something does not.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import subprocess
-import sys
-from pathlib import Path
+import time
+
+LAUNCHED_AT = time.time()  # start-up is counted from here (the workers get it through the environment)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -26,6 +30,8 @@ if str(ROOT) not in sys.path:
 
 from sparse_rl_mega.config import ConfigError, RunConfig, load_config, missing_inputs  # noqa: E402
 from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
+
+LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # sparse_rl_mega.trainer reads it (not imported here: torch)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,6 +95,9 @@ def describe_layout(cfg: RunConfig) -> str:
 
 
 def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -121,10 +130,10 @@ def main(argv=None) -> int:
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
                    args.config] + [f"--set={item}" for item in args.overrides]
         print(describe_layout(cfg), flush=True)
-        return subprocess.call(command)
+        return subprocess.call(command, env={**os.environ, LAUNCHED_AT_ENV: repr(LAUNCHED_AT)})
     from sparse_rl_mega.trainer import run_training
 
-    run_training(cfg)
+    run_training(cfg, float(os.environ.get(LAUNCHED_AT_ENV, LAUNCHED_AT)))
     return 0
 
 

@@ -7,6 +7,8 @@ spawned). KV-compression settings reach the spawned scheduler through the enviro
 from __future__ import annotations
 
 import os
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -182,6 +184,7 @@ class RolloutEngine:
         with _without_launcher_env():
             self.engine = sgl.Engine(**kwargs)
         self.tp_size = tp_size
+        self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None
         self._weight_backend = "gloo"
@@ -374,9 +377,49 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.on_shutdown is not None:
+            self.on_shutdown()
 
 
 def _check_bucket(received) -> None:
     ok, message = received.result()
     if not ok:
         raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")
+
+
+class EngineStart:
+    """A :class:`RolloutEngine` started on a background thread, so that the learner is built and loaded
+    meanwhile: SGLang's scheduler and detokenizer import and load in their own processes, this thread
+    mostly waits for them. :meth:`result` waits, bounded, and re-raises the start's error here.
+
+    The thread then stays parked until the engine shuts down: SGLang's children ask for SIGKILL when
+    the *thread* that spawned them ends (``PR_SET_PDEATHSIG``). SGLang skips its SIGQUIT handler off
+    the main thread; a child that dies still ends this process, by SIGQUIT's default action."""
+
+    def __init__(self, *args, **kwargs):
+        self.engine: Optional[RolloutEngine] = None
+        self.error: Optional[BaseException] = None
+        self.seconds: Optional[float] = None  # how long the start took, once done
+        self._started = time.perf_counter()
+        self._ready, self._stopped = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, name="engine-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args, **kwargs) -> None:
+        try:
+            self.engine = RolloutEngine(*args, **kwargs)
+            self.engine.on_shutdown = self._stopped.set
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the caller's thread)
+            self.error = exc
+            return
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            self._ready.set()
+        self._stopped.wait()
+
+    def result(self, timeout_s: float) -> RolloutEngine:
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"the SGLang engine did not come up within {timeout_s:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"the SGLang engine failed to start: {self.error}") from self.error
+        return self.engine

@@ -1,0 +1,30 @@
+"""Known, harmless warnings of our dependencies on a machine without CUDA, filtered one by one at our
+entry points (``tools/*.py``) and, through ``PYTHONWARNINGS``, in the processes they start (torchrun
+workers, SGLang's scheduler and detokenizer). Any other warning still shows."""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+# (start of the message, why it is harmless); every one is a UserWarning
+KNOWN_HARMLESS = (
+    ("Apex is not installed", "Megatron falls back to torch's norms, which the local layer spec uses anyway"),
+    ("Transformer Engine and Apex are not installed",
+     "Megatron falls back to its local multi-tensor ops and torch's optimizers (CPU, or a GPU without TE)"),
+    ("full scope is deprecated", "Megatron's own TransformerConfig default for cuda_graph_scope; the learner "
+                                 "does not capture CUDA graphs"),
+    ("Only CUDA", "SGLang imports its AWQ and GGUF quantization modules on any platform; no quantized model "
+                  "is served on CPU"),
+    ("Triton is not supported on current platform", "SGLang's linear-attention (FLA) kernels fall back to the "
+                                                    "CPU; the models served here use softmax attention"),
+)
+
+
+def quiet_known_warnings() -> None:
+    """Ignore the warnings of :data:`KNOWN_HARMLESS` here and in every process started from here."""
+    entries = [f"ignore:{prefix}:UserWarning" for prefix, _ in KNOWN_HARMLESS]
+    for prefix, _ in KNOWN_HARMLESS:
+        warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
+    inherited = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]
+    os.environ["PYTHONWARNINGS"] = ",".join(inherited + [e for e in entries if e not in inherited])

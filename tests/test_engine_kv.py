@@ -94,6 +94,39 @@ def test_tp2_engine_keeps_what_one_rank_would(tp2_engine, hf_model, name):
     assert _check_samples(samples, hf_model, POLICY_CASES[name]) > 0
 
 
+def test_tp2_engine_takes_broadcast_weights(tp2_engine, tiny_model_dir, hf_model):
+    """The broadcast weight path into an engine at TP 2 (each scheduler rank keeps its half of every
+    head-split tensor): this process is member 0 of a gloo group with both engine ranks, as the
+    learner's rank 0 is; HF-named buckets of perturbed weights are broadcast, after which the engine's
+    dense logprobs equal transformers' with those weights (and differed before); then the original
+    weights go back the same way."""
+    import copy
+
+    from sparse_rl_mega.learner.weights import buckets, read_hf_state_dict
+    from sparse_rl_mega.ports import free_port
+
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+    original = read_hf_state_dict(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    perturbed = {name: t + 0.05 * torch.randn(t.shape, generator=g) for name, t in original.items()}
+    moved = copy.deepcopy(hf_model)
+    moved.load_state_dict(perturbed, strict=False)
+    with torch.no_grad():
+        logits = moved(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = [float(logits[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+
+    tp2_engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo", world_size=3)
+    before = tp2_engine.dense_logprobs(ids)
+    version = tp2_engine.update_weights_broadcast(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
+    after = tp2_engine.dense_logprobs(ids)
+    tp2_engine.update_weights_broadcast(buckets(iter(original.items()), 64 * 1024, torch.float32))
+    assert version == 1 and tp2_engine.served_weight_version() == "2"
+    assert len(after) == len(before) == len(expected)
+    assert max(abs(a - b) for a, b in zip(before, expected)) > 1e-2  # the perturbation shows
+    assert max(abs(a - b) for a, b in zip(after, expected)) < TOL
+    assert max(abs(a - b) for a, b in zip(tp2_engine.dense_logprobs(ids), before)) < TOL  # restored
+
+
 @pytest.mark.parametrize("name", list(POLICY_CASES))
 def test_group_sharing_a_cached_prompt_matches_reference(evicting_engine, hf_model, name):
     prompt = list(range(30, 50))  # 20 tokens: longer than the budget, so shared tree slots are evicted too
@@ -196,7 +229,7 @@ def test_dense_prefill_logprobs_equal_hf(evicting_engine, hf_model):
     with torch.no_grad():
         logits = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     hf_logp = [float(logits[t, ids[t + 1]]) for t in range(len(ids) - 1)]
-    assert max(abs(a - b) for a, b in zip(engine_logp, hf_logp)) < TOL
+    assert max(abs(a - b) for a, b in zip(engine_logp, hf_logp, strict=True)) < TOL
 
 
 def test_idle_engine_leaves_the_cpu_to_the_learner(evicting_engine):

@@ -30,25 +30,28 @@ def _metrics_at(run_dir: Path, step: int) -> dict:
     return out
 
 
-def _check_chunked_checkpoint_exports(full_dir: Path, run_dir: Path, tmp_path: Path) -> None:
-    """A checkpoint saved by model chunks (virtual stages) loads into one unchunked model: its export
-    equals the uninterrupted run's to float32 rounding of one differently summed step."""
+def _check_chunked_checkpoint_exports(full_dir: Path, run_dir: Path, tmp_path: Path, model_dir: Path) -> None:
+    """A checkpoint saved by model chunks loads into one unchunked model: its export equals the
+    uninterrupted run's checkpoint (read independently of the tool) to float32 rounding of one
+    differently summed step."""
+    import json
     import sys
 
     import torch
 
     from sparse_rl_mega.learner.weights import read_hf_state_dict
     from tests.conftest import ROOT, run_captured
+    from tests.test_export_hf import independent_hf_weights
 
-    exported = {}
-    for name, run in (("uninterrupted", full_dir), ("chunked", run_dir)):
-        done = run_captured([sys.executable, ROOT / "tools" / "export_hf.py", run / "checkpoints" / "iter_0000003",
-                             "--out", tmp_path / name], 300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-        exported[name] = read_hf_state_dict(tmp_path / name)
-    assert exported["chunked"].keys() == exported["uninterrupted"].keys()
-    for key, want in exported["uninterrupted"].items():
-        assert torch.allclose(exported["chunked"][key], want, rtol=0, atol=1e-5), key
+    done = run_captured([sys.executable, ROOT / "tools" / "export_hf.py", run_dir / "checkpoints" / "iter_0000003",
+                         "--out", tmp_path / "chunked"], 300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    chunked = read_hf_state_dict(tmp_path / "chunked")
+    uninterrupted = independent_hf_weights(full_dir / "checkpoints" / "iter_0000003",
+                                           json.loads((model_dir / "config.json").read_text()), tmp_path)
+    assert chunked.keys() == uninterrupted.keys()
+    for key, want in uninterrupted.items():
+        assert torch.allclose(chunked[key], want, rtol=0, atol=1e-5), key
 
 
 @pytest.mark.parametrize("layout", ["same-pp2", "tp2-cp2", "pp2-vpp2"])
@@ -74,7 +77,7 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     assert "[iter 1/3]" not in resumed.stdout and "[iter 2/3]" not in resumed.stdout
     if layout == "pp2-vpp2":
         assert "PP=2x2 virtual" in resumed.stdout
-        _check_chunked_checkpoint_exports(full_dir, run_dir, tmp_path)
+        _check_chunked_checkpoint_exports(full_dir, run_dir, tmp_path, tiny_model_dir)
     if layout == "tp2-cp2":
         assert "TP=2 PP=1 CP=2 DP=1" in resumed.stdout
 

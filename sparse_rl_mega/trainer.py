@@ -45,6 +45,7 @@ class PhaseTimer:
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"
 # a 70B engine loads its weights for minutes; beyond this something is wrong
 ENGINE_START_TIMEOUT_S = 1800.0
+ENGINE_CLOSE_WAIT_S = 60.0  # how long a failed set-up waits for a starting engine, to shut it down
 
 
 class StartupClock:
@@ -125,7 +126,7 @@ class Trainer:
         # one on a GPU: it sizes its KV pool from the memory that the loaded learner leaves
         overlap = not (torch.cuda.is_available() and cfg.rollout.placement == "colocated")
         if overlap:
-            self.begin_engine_start()
+            self.begin_engine_start(background=True)
         self.learner = build_learner(cfg)
         load_hf_into_learner(self.learner, cfg.model.path, cfg.model.arch)
         if cfg.algorithm.kl_coef > 0:  # frozen reference policy = the initial weights
@@ -140,7 +141,7 @@ class Trainer:
         self.maybe_resume()
         self.clock.mark("checkpoint")
         if not overlap:
-            self.begin_engine_start()
+            self.begin_engine_start(background=False)
 
         if self.rank == 0:
             from sparse_rl_mega.tracking import Tracker
@@ -168,9 +169,10 @@ class Trainer:
         prompts = [r.prompt for r in self.dataset.records] + list(getattr(self, "eval_prompts", []) or [])
         return max(len(p) if isinstance(p, list) else len(encode_prompt(self.tokenizer, p)) for p in prompts)
 
-    def begin_engine_start(self) -> None:
+    def begin_engine_start(self, background: bool) -> None:
         """Every engine host starts its reward scorer and, on a background thread, its engine
-        (sparse_rl_mega/rollout/placement.py); :meth:`finish_engine_start` waits for it."""
+        (sparse_rl_mega/rollout/placement.py); :meth:`finish_engine_start` waits for it. ``background``:
+        the learner is built meanwhile (only said in the log)."""
         from sparse_rl_mega.rollout.placement import engine_placements
 
         cfg, r = self.cfg, self.cfg.rollout
@@ -192,8 +194,8 @@ class Trainer:
             self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             log(f"[setup] starting {len(self.placements)} SGLang engine(s) x TP {r.engine_tensor_parallel_size} "
-                f"({r.placement}; KV policy {r.kv_compression.policy}, budget {r.kv_compression.budget}) "
-                f"while the learner loads ...")
+                f"({r.placement}; KV policy {r.kv_compression.policy}, budget {r.kv_compression.budget})"
+                f"{' while the learner loads' if background else ''} ...")
             kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
             if cfg.eval.path is not None and self.rank == 0:
                 self.setup_eval()
@@ -596,11 +598,12 @@ class Trainer:
 
     def close(self, ok: bool) -> None:
         clock = StartupClock()
-        if self.engine_start is not None:  # setup failed while the engine was starting: it must not outlive us
+        if self.engine_start is not None:  # setup failed while the engine was starting: shut it down if it
+            # comes up soon; otherwise its processes die with this one (they ask for SIGKILL when it ends)
             start, self.engine_start = self.engine_start, None
             try:
-                self.engine = start.result(ENGINE_START_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 (the start failed: nothing to shut down)
+                self.engine = start.result(ENGINE_CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 (no engine to shut down)
                 pass
         if self.tracker is not None:
             self.tracker.finish("FINISHED" if ok else "FAILED")

@@ -7,12 +7,12 @@ rank 0 writes one JSON object ``{"TPxPP": {model folder name: result}}``.
     torchrun --nproc-per-node N tests/helpers/learner_check.py OUT_JSON JOBS_JSON
 
 JOBS_JSON: a list of ``{"tp", "pp", "models": [MODEL_DIR, ...], "stage_copies", "error_checks"}``
-(TP x PP = N for each).
+(TP x PP divides N; the rest is data parallelism, each DP rank holding the whole model).
 
 stage_copies (PP > 1): every rank loads from its own copy of the checkpoint that holds only what its
     pipeline stage owns (its layers; the embedding on the first stage; the final norm and output layer
     on the last), which fails if the loader reads anything else.
-error_checks (one process): loading a checkpoint that lacks a tensor or has one of the wrong shape
+error_checks (TP1 PP1): loading a checkpoint that lacks a tensor or has one of the wrong shape
     raises an error naming that tensor; the messages are reported.
 """
 import json
@@ -115,7 +115,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     from sparse_rl_mega.learner.step import forward_logprobs
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model, read_hf_state_dict
 
-    cfg = run_config(str(model_dir), tp, pp, group_size=2, global_batch=2, micro_batch=1)
+    cfg = run_config(str(model_dir), tp, pp, group_size=2, global_batch=4, micro_batch=1)  # DP2 at TP1 PP1
     arch = cfg.model.arch
     learner = build_learner(cfg)
     errors = _error_messages(learner.modules, model_dir, arch, work / model_dir.name) if error_checks else None

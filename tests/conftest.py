@@ -158,6 +158,7 @@ def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
 E2E_READERS = ("tests/test_e2e.py", "tests/test_resume.py", "tests/test_multinode.py", "tests/test_export_hf.py")
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest without xdist (e.g. tools/gpu_check.sh) ignores it
 def pytest_xdist_make_scheduler(config, log):
     """Two pytest-xdist workers (pytest.ini: ``-n 2``) share the suite by module, so a module's engine
     or torchrun session starts once; the readers of ``e2e_run`` form one unit, handed out first (the

@@ -97,7 +97,8 @@ record() {  # part name, verdict's status
 run() {  # name, allowed skip reasons, pytest arguments...
     local name="$1" allowed="$2"; shift 2
     echo "[gpu_check] $name ..."
-    "$PY" -m pytest -q -rfEs -p no:cacheprovider "$@" > runs/gpu_check_part.log 2>&1
+    # in-process (-o addopts=: not pytest.ini's two xdist workers; xdist need not be installed here)
+    "$PY" -m pytest -o addopts= -q -rfEs -p no:cacheprovider "$@" > runs/gpu_check_part.log 2>&1
     local code=$?
     cat runs/gpu_check_part.log >> "$LOG"
     verdict runs/gpu_check_part.log "$code" "$allowed" > runs/gpu_check_verdict.txt 2>&1

@@ -156,13 +156,18 @@ def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
 
 # the modules that read the shared ``e2e_run``: one xdist worker runs them all, so the launch runs once
 E2E_READERS = ("tests/test_e2e.py", "tests/test_resume.py", "tests/test_multinode.py", "tests/test_export_hf.py")
+# handed out first, longest first (pytest.ini: --no-loadscope-reorder keeps this order), so that no long
+# module starts last on its own; the rest follow in file order
+LONGEST = E2E_READERS + ("tests/test_ablation.py", "tests/test_learner.py", "tests/test_layout_invariance.py",
+                         "tests/test_evaluate.py", "tests/test_engine_kv.py", "tests/test_planner.py",
+                         "tests/test_engine_retraction.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest without xdist (e.g. tools/gpu_check.sh) ignores it
 def pytest_xdist_make_scheduler(config, log):
     """Two pytest-xdist workers (pytest.ini: ``-n 2``) share the suite by module, so a module's engine
-    or torchrun session starts once; the readers of ``e2e_run`` form one unit, handed out first (the
-    longest; ``pytest_collection_modifyitems`` puts them first)."""
+    or torchrun session starts once; the readers of ``e2e_run`` form one unit. Units are handed out in
+    collection order, which ``pytest_collection_modifyitems`` sorts longest first (``LONGEST``)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):
@@ -178,4 +183,8 @@ def pytest_collection_modifyitems(config, items):
         module = item.nodeid.split("::", 1)[0]
         if "e2e_run" in getattr(item, "fixturenames", ()) and module not in E2E_READERS:
             raise pytest.UsageError(f"{module} reads e2e_run: add it to E2E_READERS in tests/conftest.py")
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in E2E_READERS)  # stable otherwise
+    def rank(item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return LONGEST.index(module) if module in LONGEST else len(LONGEST)
+
+    items.sort(key=rank)  # stable: test order within a module kept

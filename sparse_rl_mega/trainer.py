@@ -41,19 +41,17 @@ class PhaseTimer:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}
 
 
-# the launcher's start time (time.time()), passed to the torchrun workers: start-up is counted from it
-LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"
 # a 70B engine loads its weights for minutes; beyond this something is wrong
 ENGINE_START_TIMEOUT_S = 1800.0
 ENGINE_CLOSE_WAIT_S = 60.0  # how long a failed set-up waits for a starting engine, to shut it down
 
 
-class StartupClock:
-    """Where a rank's start-up went: wall seconds of consecutive named phases, the first counted from
-    the launcher's start; rank 0 prints them as one line."""
+class PhaseClock:
+    """Wall seconds of consecutive named phases (where start-up or shut-down went), the first counted
+    from ``started_at`` (``time.time()``; for start-up the launcher's start); printed as one line."""
 
-    def __init__(self, launched_at: Optional[float] = None) -> None:
-        self.launched_at = self.last = launched_at if launched_at is not None else time.time()
+    def __init__(self, started_at: Optional[float] = None) -> None:
+        self.started_at = self.last = started_at if started_at is not None else time.time()
         self.phases: dict[str, float] = {}
 
     def mark(self, name: str) -> None:
@@ -64,7 +62,7 @@ class StartupClock:
 
     def line(self) -> str:
         parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases.items() if seconds >= 0.05)
-        return f"{self.last - self.launched_at:.1f} s" + (f" ({parts})" if parts else "")
+        return f"{self.last - self.started_at:.1f} s" + (f" ({parts})" if parts else "")
 
 
 def ensure_model(cfg: RunConfig) -> None:
@@ -93,7 +91,7 @@ class Trainer:
         self.engine_released = False  # a colocated GPU engine gave its memory to the learner
         self.engine_start = None  # this host's engine while it starts (rollout/engine.py EngineStart)
         self.engine_seconds: Optional[float] = None  # how long it took to come up
-        self.clock = StartupClock(launched_at)
+        self.clock = PhaseClock(launched_at)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -597,7 +595,7 @@ class Trainer:
         log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
 
     def close(self, ok: bool) -> None:
-        clock = StartupClock()
+        clock = PhaseClock()
         if self.engine_start is not None:  # setup failed while the engine was starting: shut it down if it
             # comes up soon; otherwise its processes die with this one (they ask for SIGKILL when it ends)
             start, self.engine_start = self.engine_start, None

@@ -163,6 +163,10 @@ LONGEST = E2E_READERS + ("tests/test_ablation.py", "tests/test_learner.py", "tes
                          "tests/test_engine_retraction.py")
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest without xdist (e.g. tools/gpu_check.sh) ignores it
 def pytest_xdist_make_scheduler(config, log):
     """Two pytest-xdist workers (pytest.ini: ``-n 2``) share the suite by module, so a module's engine
@@ -172,7 +176,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
+            module = _module(nodeid)
             return "e2e_run" if module in E2E_READERS else module
 
     return ByModule(config, log)
@@ -180,11 +184,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
+        module = _module(item.nodeid)
         if "e2e_run" in getattr(item, "fixturenames", ()) and module not in E2E_READERS:
             raise pytest.UsageError(f"{module} reads e2e_run: add it to E2E_READERS in tests/conftest.py")
+
     def rank(item) -> int:
-        module = item.nodeid.split("::", 1)[0]
+        module = _module(item.nodeid)
         return LONGEST.index(module) if module in LONGEST else len(LONGEST)
 
     items.sort(key=rank)  # stable: test order within a module kept

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 from sparse_rl_mega.config import ConfigError, RunConfig, load_config, missing_inputs  # noqa: E402
 from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
-LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # sparse_rl_mega.trainer reads it (not imported here: torch)
+LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # LAUNCHED_AT, from this process to its torchrun workers
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -159,7 +159,12 @@ class RolloutConfig:
     max_running_requests: Optional[int] = None
     attention_backend: Optional[str] = None  # None: torch_native on CPU, SGLang's default on GPU
     kv_compression: KVCompressionConfig = field(default_factory=KVCompressionConfig)
-    startup_timeout_s: float = 300.0
+    # supervision (sparse_rl_mega/rollout/supervisor.py): an engine call with no answer from the engine
+    # for engine_timeout_s (no generated output, no reply to a weight bucket) fails, as does one whose
+    # engine processes died; the engine is then restarted, at most max_engine_restarts times per job
+    startup_timeout_s: float = 1800.0  # an engine's start (a 70B engine loads for minutes)
+    engine_timeout_s: float = 600.0
+    max_engine_restarts: int = 3
 
 
 Level = Literal["none", "token", "sequence", "geometric"]
@@ -313,6 +318,9 @@ class TrainerConfig:
     # engines on other devices or nodes)
     sync_method: Literal["tensor", "broadcast"] = "tensor"
     torch_threads: int = 1
+    # an optimizer step whose loss or gradient norm is NaN/Inf is skipped (weights and optimizer state
+    # unchanged, counted in train/skipped_steps); this many skipped steps in a row stop the job
+    max_consecutive_skips: int = 3
 
 
 @dataclass
@@ -483,6 +491,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         "data.prompts_per_iteration": d.prompts_per_iteration, "trainer.iterations": t.iterations,
         "trainer.global_batch_size": t.global_batch_size, "trainer.micro_batch_size": t.micro_batch_size,
         "trainer.sync_bucket_mb": t.sync_bucket_mb, "trainer.torch_threads": t.torch_threads,
+        "rollout.startup_timeout_s": r.startup_timeout_s, "rollout.engine_timeout_s": r.engine_timeout_s,
+        "trainer.max_consecutive_skips": t.max_consecutive_skips,
     }
     for key, value in positive.items():
         _require(value > 0, source, key, f"must be > 0, got {value}")
@@ -635,6 +645,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(t.lr > 0, source, "trainer.lr", f"must be > 0, got {t.lr}")
     _require(cfg.checkpoint.save_interval >= 0, source, "checkpoint.save_interval", "must be >= 0")
     _require(cfg.checkpoint.keep_last >= 1, source, "checkpoint.keep_last", "must be >= 1")
+    _require(r.max_engine_restarts >= 0, source, "rollout.max_engine_restarts", f"must be >= 0, got {r.max_engine_restarts}")
     resume = cfg.checkpoint.resume
     _require(resume in (None, "auto") or Path(resume).is_dir(), source, "checkpoint.resume",
              f"must be 'auto', null or an existing checkpoint folder; {resume!r} is not a folder")
@@ -657,8 +668,13 @@ def missing_inputs(cfg: RunConfig) -> list[str]:
     needed = {"data.train_path": cfg.data.train_path, "eval.path": cfg.eval.path}
     hints = {"data.train_path": "a jsonl of prompts and labels",
              "eval.path": "a prompt_label jsonl; write held-out sets with tools/prepare_data.py"}
-    return [f"{key}: {path} is not a file ({hints[key]})" for key, path in needed.items()
-            if path and not Path(path).is_file()]
+    missing = [f"{key}: {path} is not a file ({hints[key]})" for key, path in needed.items()
+               if path and not Path(path).is_file()]
+    model = Path(cfg.model.path)
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if (model / "config.json").is_file() and not any((model / name).is_file() for name in tokenizer_files):
+        missing.append(f"model.path: {model} has no tokenizer (none of {', '.join(tokenizer_files)})")
+    return missing
 
 
 def _validate_eval(cfg: RunConfig, source: str) -> None:

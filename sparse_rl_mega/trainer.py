@@ -41,8 +41,6 @@ class PhaseTimer:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}
 
 
-# a 70B engine loads its weights for minutes; beyond this something is wrong
-ENGINE_START_TIMEOUT_S = 1800.0
 ENGINE_CLOSE_WAIT_S = 60.0  # how long a failed set-up waits for a starting engine, to shut it down
 
 
@@ -81,7 +79,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, launched_at: Optional[float] = None):
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.engine = None
+        self.supervisor = None  # this host's engine: start, restart (sparse_rl_mega/rollout/supervisor.py)
         self.tracker = None
         self.scorer = None  # engine hosts: the reward scorer (math: a pool of checking processes)
         self.ref_model = None
@@ -89,9 +87,26 @@ class Trainer:
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.placement = None  # this rank's engine, when it hosts one (sparse_rl_mega/rollout/placement.py)
         self.engine_released = False  # a colocated GPU engine gave its memory to the learner
-        self.engine_start = None  # this host's engine while it starts (rollout/engine.py EngineStart)
         self.engine_seconds: Optional[float] = None  # how long it took to come up
+        self.weight_version = 0  # what the engines serve: the weights after this many iterations
+        self.engine_restarts = 0  # in the current iteration (all engines)
+        self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
+        self.weight_groups = 0  # weight broadcast groups formed (one more after engines restart)
         self.clock = PhaseClock(launched_at)
+        from sparse_rl_mega.faults import FaultInjector
+
+        self.faults = FaultInjector(self.rank, cfg.trainer.run_dir, self._engine0_scheduler)
+
+    def _engine0_scheduler(self) -> Optional[int]:
+        """Pid of engine 0's scheduler on its host (for injected faults), else None."""
+        if self.engine is None or self.placement.index != 0:
+            return None
+        return next(iter(self.engine.processes))
+
+    @property
+    def engine(self):
+        """This host's engine (None off the engine hosts, or while it starts)."""
+        return self.supervisor.engine if self.supervisor is not None else None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -154,7 +169,8 @@ class Trainer:
         self.clock.mark("waiting for the engine")
         dist.barrier()
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
-            self.sync_weights(PhaseTimer(), None)
+            self.weight_version = self.start_iteration
+            self.sync_weights(PhaseTimer(), None, self.weight_version)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
             self.clock.mark("weights to the engine")
         engine = f"; engine up in {self.engine_seconds:.1f} s" if self.engine_seconds is not None else ""
@@ -187,7 +203,8 @@ class Trainer:
 
             from sparse_rl_mega.evaluation import needs_request_override
             from sparse_rl_mega.reward import build_scorer
-            from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings
+            from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings, keep_process_on_child_crash
+            from sparse_rl_mega.rollout.supervisor import EngineSupervisor
 
             self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -199,25 +216,47 @@ class Trainer:
                 self.setup_eval()
                 # dense (or another policy) for evaluation requests: the engine accepts per-request settings
                 kv_settings.allow_request_override = needs_request_override(self.eval_variants)
-            self.engine_start = EngineStart(
-                cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-                max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
-                mem_fraction_static=r.mem_fraction_static, attention_backend=r.attention_backend,
-                tp_size=r.engine_tensor_parallel_size, base_gpu_id=self.placement.first_device,
-                memory_saver=self.release_memory, prompt_tokens=self.longest_prompt_tokens() if on_gpu else 0, log=log)
+            prompt_tokens = self.longest_prompt_tokens() if on_gpu else 0
+
+            def make_start(name: str) -> EngineStart:
+                return EngineStart(
+                    cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                    max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
+                    mem_fraction_static=r.mem_fraction_static, attention_backend=r.attention_backend,
+                    tp_size=r.engine_tensor_parallel_size, base_gpu_id=self.placement.first_device,
+                    memory_saver=self.release_memory, prompt_tokens=prompt_tokens, timeout_s=r.engine_timeout_s,
+                    name=name, log=log)
+
+            keep_process_on_child_crash()  # an engine child's crash must not end this learner rank
+            self.supervisor = EngineSupervisor(self.placement.index, make_start, max_restarts=r.max_engine_restarts,
+                                               start_timeout_s=r.startup_timeout_s, log=log)
+            self.supervisor.start()
 
     def finish_engine_start(self) -> None:
         """Wait for this host's engine; with the broadcast sync, rank 0 and every engine then join one
-        weight group."""
+        weight group. Rank 0 shares the sequence that checks a restarted engine's weights."""
+        from sparse_rl_mega.data.formatting import encode_prompt
+
+        if self.supervisor is not None and self.supervisor.starting is not None:
+            self.supervisor.ready()
+            self.engine_seconds = self.supervisor.start_seconds
+        probe = [encode_prompt(self.tokenizer, self.dataset.records[0].prompt) if self.rank == 0 else None]
+        dist.broadcast_object_list(probe, src=0)
+        self.restart_probe = probe[0]  # the first training prompt
+        self.form_weight_group()
+
+    def form_weight_group(self) -> None:
+        """With the broadcast sync: rank 0 and every engine join one weight group (a collective; again
+        after engines restart, under a new name)."""
         from sparse_rl_mega.rollout.placement import weight_group_size
 
         cfg, p = self.cfg, self.cfg.parallel
         on_gpu = torch.cuda.is_available()
-        if self.engine_start is not None:
-            start, self.engine_start = self.engine_start, None
-            self.engine = start.result(ENGINE_START_TIMEOUT_S)
-            self.engine_seconds = start.seconds
         if cfg.trainer.sync_method == "broadcast":
+            from sparse_rl_mega.rollout.engine import WEIGHT_GROUP
+
+            self.weight_groups += 1
+            name = WEIGHT_GROUP if self.weight_groups == 1 else f"{WEIGHT_GROUP}_{self.weight_groups}"
             from sparse_rl_mega.ports import free_port
 
             address = [None]
@@ -231,9 +270,10 @@ class Trainer:
             backend = "nccl" if on_gpu and cfg.rollout.placement == "separate" else "gloo"
             size = weight_group_size(self.placements)
             if self.rank == 0:
-                self.engine.connect_weight_group(host, port, backend=backend, world_size=size)
+                self.engine.connect_weight_group(host, port, backend=backend, world_size=size, group_name=name)
             elif self.placement is not None:
-                self.engine.join_weight_group(host, port, self.placement.rank_offset, size, backend=backend)
+                self.engine.join_weight_group(host, port, self.placement.rank_offset, size, backend=backend,
+                                              group_name=name)
             log(f"[setup] weight broadcast group of {size} members joined ({backend}, {host}:{port})")
 
     def setup_eval(self) -> None:
@@ -322,12 +362,29 @@ class Trainer:
         from sparse_rl_mega.reward.scorer import ScorerStats
         from sparse_rl_mega.rollout.placement import prompt_shard
 
+        from sparse_rl_mega.rollout.engine import EngineFailure
+        from sparse_rl_mega.rollout.supervisor import agree_on_failures
+
         cfg = self.cfg
         mine = None
-        if self.placement is not None:
-            records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
-            mine = self.sample_shard(records, prompt_shard(len(records), len(self.placements), self.placement.index),
-                                     iteration, timer)
+        while True:  # until every engine has sampled its shard (a failed engine is restarted, then resamples)
+            failure = None
+            if self.placement is not None:
+                try:
+                    if mine is None:
+                        records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed,
+                                                     cfg.data.shuffle)
+                        shard = prompt_shard(len(records), len(self.placements), self.placement.index)
+                        mine = self.sample_shard(records, shard, iteration, timer)
+                    if self.release_memory and not self.engine_released:  # the learner trains in its memory
+                        self.engine.release_memory()
+                        self.engine_released = True
+                except EngineFailure as exc:
+                    failure = exc
+            failed = agree_on_failures(failure, self.placement.index if self.placement else None)
+            if not failed:
+                break
+            self.recover_engines(failed, self.weight_version)  # then the failed engines sample again
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
         shards = sorted((s for s in shards if s is not None), key=lambda s: s["first_prompt"])
@@ -432,70 +489,131 @@ class Trainer:
                 for k in range(batch_size // g)]
         return torch.cat(rows)
 
-    def sync_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]]) -> dict[str, float]:
+    def sync_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]], version: int,
+                     check_before: bool = True) -> dict[str, float]:
         """Push the learner's shards to every engine as HF tensors, streamed layer by layer into buckets
         (every rank takes part: the pieces travel to rank 0, which pushes them to its engine in-process
-        or broadcasts them to all engines); optionally check every engine against the learner."""
+        or broadcasts them to all engines), as weight ``version``; optionally check every engine against
+        the learner. An engine that fails meanwhile is restarted and given the weights
+        (:meth:`recover_engines`). ``check_before``: also measure the engines' difference from the
+        learner before the push (``sync/pre_sync_max_abs_logprob_diff``)."""
+        from sparse_rl_mega.rollout.supervisor import agree_on_failures
+
+        metrics, failure = self._push_weights(timer, probe_ids, version, check_before)
+        failed = agree_on_failures(failure, self.placement.index if self.placement else None)
+        if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
+            before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
+            return {**self.recover_engines(failed, version, probe_ids), **before}
+        return metrics
+
+    def _push_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]], version: int, check_before: bool):
+        """One push of :meth:`sync_weights`: ``(metrics, this host's EngineFailure or None)``. A host whose
+        engine fails goes on streaming its pieces, so that every rank's collectives stay matched."""
         from sparse_rl_mega.learner.weights import buckets, stream_hf_tensors
+        from sparse_rl_mega.rollout.engine import EngineFailure
 
         cfg = self.cfg
         metrics: dict[str, float] = {}
+        failure: Optional[EngineFailure] = None
         check = probe_ids is not None
         learner_logp = self.probe_logprobs(probe_ids) if check else None  # every rank takes part
         host = self.engine is not None
-        if host and self.engine_released:  # a colocated GPU engine takes its memory back first
-            self.engine.resume_memory()
-            self.engine_released = False
-        if check and not self.release_memory:  # released weights come back undefined until the push
-            before = self.engine.dense_logprobs(probe_ids) if host else None
-            metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(
-                _max_abs_diff(before, learner_logp) if host else None)
+        before = None
+        try:
+            if host and self.engine_released:  # a colocated GPU engine takes its memory back first
+                self.engine.resume_memory()
+                self.engine_released = False
+            # (released weights come back undefined until the push)
+            if check and check_before and host and not self.release_memory:
+                before = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase="weight sync (logprob check)"),
+                                       learner_logp)
+        except EngineFailure as exc:
+            failure = exc
+        if check and check_before and not self.release_memory:
+            metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(before)
         with timer.phase("sync"):
             dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
             bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
             # engine hosts other than rank 0 plan the same buckets from the tensors' shapes and receive them
             stream = stream_hf_tensors(self.learner.modules, cfg.model.arch, specs_elsewhere=host)
-            if self.rank == 0:
-                sent: list[int] = []  # bytes of each tensor pushed, for the metrics
+            sent: list[int] = []  # bytes of each tensor pushed, for the metrics
 
-                def counted(named):
-                    for name, tensor in named:
-                        sent.append(tensor.numel() * dtype.itemsize)
-                        yield name, tensor
-                parts = buckets(counted(stream), bucket_bytes, dtype)
-                push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
-                    else self.engine.update_weights
-                version = push(parts)
+            def counted(named):
+                for name, tensor in named:
+                    sent.append(tensor.numel() * dtype.itemsize)
+                    yield name, tensor
+            parts = buckets(counted(stream) if self.rank == 0 else stream, bucket_bytes, dtype) if host else stream
+            self.faults.at("push", version - 1)
+            try:
+                if self.rank == 0 and failure is None:
+                    push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
+                        else self.engine.update_weights
+                    push(parts, version)
+                elif host and failure is None:
+                    self.engine.receive_weights_broadcast(parts, version)
+                if host and failure is None:
+                    served = self.engine.served_weight_version()
+                    if served != str(version):
+                        raise RuntimeError(f"after the weight sync engine {self.placement.index} serves version "
+                                           f"{served}, expected {version}")
+            except EngineFailure as exc:
+                failure = exc
+            for _ in parts:  # this rank's remaining pieces (all of them off the engine hosts) still travel
+                pass
+            if self.rank == 0:
                 metrics["sync/bytes"] = float(sum(sent))
                 metrics["sync/tensors"] = float(len(sent))
-            elif host:
-                version = self.engine.receive_weights_broadcast(buckets(stream, bucket_bytes, dtype))
-            else:
-                for _ in stream:  # send this rank's pieces
-                    pass
-            if host:
-                served = self.engine.served_weight_version()
-                if served != str(version):
-                    raise RuntimeError(f"after the weight sync engine {self.placement.index} serves version "
-                                       f"{served}, expected {version}")
-            versions: list = [None] * dist.get_world_size()
-            dist.all_gather_object(versions, version if host else None)
-            if len({v for v in versions if v is not None}) != 1:
-                raise RuntimeError(f"engines serve different weight versions after the sync: {versions}")
-            metrics["sync/weight_version"] = float(next(v for v in versions if v is not None))
+            metrics["sync/weight_version"] = float(version)
         if check:
-            after = self.engine.dense_logprobs(probe_ids) if host else None
-            metrics["sync/max_abs_logprob_diff"] = self.max_over_engines(
-                _max_abs_diff(after, learner_logp) if host else None)
-            if host:
-                self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
+            after = None
+            try:
+                if host and failure is None:
+                    after = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase="weight sync (logprob check)"),
+                                          learner_logp)
+                    self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
+            except EngineFailure as exc:
+                failure = exc
+            metrics["sync/max_abs_logprob_diff"] = self.max_over_engines(after)
+        return metrics, failure
+
+    def recover_engines(self, failed: list, version: int, probe_ids: Optional[list[int]] = None) -> dict[str, float]:
+        """Restart the engines in ``failed`` (every engine with the broadcast sync: they share one
+        weight group) and push them weights ``version``, checked as after every push (a collective)
+        on ``probe_ids`` (default: the first training prompt).
+        Past ``rollout.max_engine_restarts`` the job stops, naming the engine and the phase."""
+        from sparse_rl_mega.rollout.supervisor import EnginesGaveUp, agree_on_errors
+
+        cfg = self.cfg
+        broadcast = cfg.trainer.sync_method == "broadcast"
+        for f in failed:
+            log(f"[engine] {f.line()}; restarting {'every engine (one weight group)' if broadcast else 'it'}")
+        self.engine_restarts += len(failed)
+        started = time.perf_counter()
+        error = None
+        mine = self.placement is not None and (broadcast or self.placement.index in {f.index for f in failed})
+        if mine:
+            why = next((f.line() for f in failed if f.index == self.placement.index), "another engine failed")
+            try:
+                self.supervisor.restart(why)
+                self.engine_released = False
+            except Exception as exc:  # noqa: BLE001 (every rank stops below, with this line)
+                error = f"{exc}" if isinstance(exc, EnginesGaveUp) else f"engine {self.placement.index}: restart failed: {exc}"
+        errors = agree_on_errors(error)
+        if errors:
+            raise EnginesGaveUp(errors[0])
+        self.form_weight_group()
+        metrics = self.sync_weights(PhaseTimer(), probe_ids or self.restart_probe, version, check_before=False)
+        log(f"[engine] {'every engine' if broadcast else ', '.join(f'engine {f.index}' for f in failed)} restarted "
+            f"and given weights version {version} in {time.perf_counter() - started:.1f} s (logprob difference "
+            f"from the learner {metrics.get('sync/max_abs_logprob_diff', float('nan')):.1e})")
         return metrics
 
     def max_over_engines(self, value: Optional[float]) -> float:
-        """The largest of the engine hosts' values (a collective: every rank calls it)."""
+        """The largest of the engine hosts' values (a collective: every rank calls it); NaN when no
+        engine gave one."""
         values: list = [None] * dist.get_world_size()
         dist.all_gather_object(values, value)
-        return max(v for v in values if v is not None)
+        return max((v for v in values if v is not None), default=float("nan"))
 
     def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
         """The learner's dense logprobs of ``probe_ids[1:]`` (every rank takes part)."""
@@ -523,10 +641,10 @@ class Trainer:
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
+            self.engine_restarts = 0
+            self.faults.at("rollout", iteration)
             batch, metrics, example = self.rollout(iteration, timer)
-            if self.release_memory and self.engine is not None:  # the learner trains in the engine's memory
-                self.engine.release_memory()
-                self.engine_released = True
+            self.faults.at("train", iteration)
             if not algo.advantage_after_rejection:
                 batch.advantages = grpo_advantages(batch.rewards, group_size, algo.advantage_std_normalize)
             local = batch.select(self.local_indices(batch.size))
@@ -553,10 +671,13 @@ class Trainer:
                 step_metrics.update(advantage_metrics(part.advantages, self.dp_group))
                 with timer.phase("train"):
                     step_metrics.update(train_step(self.learner, part, algo, mbs))
+                self.count_skipped_step(step_metrics, iteration, step)
                 per_step.append(step_metrics)
             for key in per_step[0]:
                 values = [m[key] for m in per_step]
-                if key.endswith("max"):
+                if key == "train/skipped_steps":
+                    metrics[key] = sum(values)
+                elif key.endswith("max"):
                     metrics[key] = max(values)
                 elif key.endswith("/min"):
                     metrics[key] = min(values)
@@ -568,12 +689,15 @@ class Trainer:
                 # a fixed, fully known sequence: the first sample of this batch (prompt + response)
                 length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
                 probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
-            metrics.update(self.sync_weights(timer, probe))
-
             trained = iteration + 1
+            self.weight_version = trained
+            self.faults.at("sync", iteration)
+            metrics.update(self.sync_weights(timer, probe, self.weight_version))
+
             if cfg.checkpoint.save_interval and trained % cfg.checkpoint.save_interval == 0:
                 from sparse_rl_mega.learner.checkpoint import save_checkpoint
 
+                self.faults.at("checkpoint", iteration)
                 with timer.phase("checkpoint"):
                     extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
                              "initial_model": cfg.model.path, "config": cfg.to_dict()}
@@ -585,6 +709,7 @@ class Trainer:
                     self.evaluate(trained)
 
             metrics.update(timer.metrics())
+            metrics["engine/restarts"] = float(self.engine_restarts)
             metrics["time/iteration_s"] = time.perf_counter() - started
             if self.rank == 0:
                 self.tracker.log_metrics(metrics, step=iteration)
@@ -594,21 +719,32 @@ class Trainer:
             log(self.eval_summary())
         log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
 
+    def count_skipped_step(self, step_metrics: dict[str, float], iteration: int, step: int) -> None:
+        """Count an optimizer step that ``train_step`` skipped (NaN/Inf loss or gradient norm); stop the
+        job after ``trainer.max_consecutive_skips`` in a row (its last complete checkpoint stays)."""
+        if not step_metrics["train/skipped_steps"]:
+            self.consecutive_skips = 0
+            return
+        self.consecutive_skips += 1
+        limit = self.cfg.trainer.max_consecutive_skips
+        log(f"[train] iteration {iteration + 1}, optimizer step {step + 1}: non-finite loss "
+            f"{step_metrics['train/loss']} or gradient norm {step_metrics['train/grad_norm']}: step skipped, weights "
+            f"unchanged ({self.consecutive_skips} in a row, at most {limit})")
+        if self.consecutive_skips >= limit:
+            raise NonFiniteTraining(f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or "
+                                    f"gradient norm (trainer.max_consecutive_skips={limit}); the newest complete "
+                                    f"checkpoint under {self.checkpoint_dir()} is the last good state")
+
     def close(self, ok: bool) -> None:
         clock = PhaseClock()
-        if self.engine_start is not None:  # setup failed while the engine was starting: shut it down if it
-            # comes up soon; otherwise its processes die with this one (they ask for SIGKILL when it ends)
-            start, self.engine_start = self.engine_start, None
-            try:
-                self.engine = start.result(ENGINE_CLOSE_WAIT_S)
-            except Exception:  # noqa: BLE001 (no engine to shut down)
-                pass
         if self.tracker is not None:
             self.tracker.finish("FINISHED" if ok else "FAILED")
             clock.mark("MLflow")
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        if self.supervisor is not None:
+            # an engine still starting (set-up failed) is shut down if it comes up soon; otherwise its
+            # processes die with this one (they ask for SIGKILL when it ends)
+            self.supervisor.close(ENGINE_CLOSE_WAIT_S)
+            self.supervisor = None
             clock.mark("engine")
         if self.scorer is not None:
             self.scorer.close()
@@ -616,6 +752,10 @@ class Trainer:
             clock.mark("reward workers")
         if ok:
             log(f"[done] shut down in {clock.line()}")
+
+
+class NonFiniteTraining(RuntimeError):
+    """Too many optimizer steps in a row were skipped for a NaN/Inf loss or gradient norm."""
 
 
 def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
@@ -652,8 +792,18 @@ def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
 def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     """Entry point for one torchrun rank (``tools/launch.py`` calls it); ``launched_at``: when the
     launcher started (``time.time()``), from which start-up is counted."""
+    from datetime import timedelta
+
+    from sparse_rl_mega.jobs import held_by_launcher, lock_job_folders, lost_a_peer, print_error, report_failure
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
 
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        # started by torchrun itself (multi-node): rank 0 locks the job's folders; the launcher did otherwise
+        locks = lock_job_folders(cfg) if rank == 0 and not held_by_launcher() else []
+    except Exception as exc:  # noqa: BLE001 (FolderLocked: one line)
+        print_error(f"[error] rank {rank}: {exc}")
+        raise SystemExit(1) from None
     on_cpu = apply_if_cpu()
     torch.set_num_threads(cfg.trainer.torch_threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -663,18 +813,29 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # on GPU: NCCL for device tensors, gloo for the CPU tensors of the host-side work (correction,
-    # metrics, the weight pieces streamed to rank 0)
-    dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl")
+    # metrics, the weight pieces streamed to rank 0). A collective waits at most for an engine's restart
+    # (rollout.startup_timeout_s) after a failed call (rollout.engine_timeout_s) and a bit more.
+    r = cfg.rollout
+    timeout = timedelta(seconds=max(1800.0, r.startup_timeout_s + 2 * r.engine_timeout_s + 300.0))
+    dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
     trainer = Trainer(cfg, launched_at)
     ok = False
     try:
         trainer.setup()
         trainer.run()
         ok = True
+    except Exception as exc:  # noqa: BLE001 (one line here, the traceback in the run folder)
+        line = report_failure(exc, cfg.trainer.run_dir, rank)
+        if not lost_a_peer(exc):  # a rank that only lost its peers adds nothing to their own line
+            print_error(line)
     finally:
         trainer.close(ok)
         if dist.is_initialized():
             if ok:
                 dist.barrier()
             dist.destroy_process_group()
+        for lock in locks:
+            lock.release()
     sys.stdout.flush()
+    if not ok:
+        raise SystemExit(1)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -70,12 +71,13 @@ def evicting_engine(tiny_model_dir):
     engine.shutdown()
 
 
-def run_captured(command: list, timeout: int) -> subprocess.CompletedProcess:
+def run_captured(command: list, timeout: int, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """Run ``command`` from the repo root, output captured, in its own session: on timeout the whole
-    process tree (torchrun workers, SGLang schedulers) is killed, not only the first process."""
+    process tree (torchrun workers, SGLang schedulers) is killed, not only the first process. ``env``:
+    variables added to this process's environment."""
     import signal
 
-    with subprocess.Popen([str(c) for c in command], cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
+    with subprocess.Popen([str(c) for c in command], cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
@@ -94,9 +96,10 @@ def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> sub
                          "--master-addr", "127.0.0.1", "--master-port", free_port(), script, *args], timeout)
 
 
-def run_launch(config: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_launch(config: Path, *overrides: str, timeout: int = 900, env: Optional[dict] = None
+               ) -> subprocess.CompletedProcess:
     """``python tools/launch.py CONFIG [--set ...]``, as a user runs it (output captured)."""
-    return run_captured([sys.executable, ROOT / "tools" / "launch.py", config, *overrides], timeout)
+    return run_captured([sys.executable, ROOT / "tools" / "launch.py", config, *overrides], timeout, env)
 
 
 def write_test_config(path: Path, model_dir: Path, run_dir: Path, extra: str = "") -> Path:

@@ -7,8 +7,12 @@
   python tools/launch.py CONFIG --plan [--gpu-memory-gb 80] [--prompt-tokens 512]
                                                          validate, print the layout and per-GPU memory
 
-The config is fully validated before any process starts work; a problem is reported as one line
-naming the key and what was expected, with exit status 2. --plan starts nothing either (no process,
+The config, its data files and the model folder are checked before any process starts; a problem is
+reported as one line naming the key (file, row) and what was expected, with exit status 2. A failure
+of the job is one line per failed rank (tracebacks: <run_dir>/logs/rank<R>.log) and one from the
+launcher; with --max-restarts N the launcher starts a failed job again from its newest complete
+checkpoint, up to N times. Every process of the job ends when the launcher does, however it ends; the
+run folder is locked while the job runs. --plan starts nothing either (no process,
 no GPU): it prints the learner's and the engine's memory per GPU (sparse_rl_mega/planner.py) and
 exits 0 when everything fits, 3 when something does not.
 """
@@ -20,7 +24,6 @@ LAUNCHED_AT = time.time()  # start-up is counted from here (the workers get it t
 
 import argparse  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -52,7 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint under checkpoint.dir (same as "
                              "--set checkpoint.resume=auto); a different TP/PP layout may load it")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="start a failed job again from its newest complete checkpoint, up to N times "
+                             "(single node; on a cluster use torchrun's --max-restarts with "
+                             "--set checkpoint.resume=auto)")
     args = parser.parse_args(argv)
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     if args.gpu_memory_gb <= 0 or args.prompt_tokens < 1:
         parser.error("--gpu-memory-gb must be > 0 and --prompt-tokens >= 1")
     if args.resume:
@@ -94,17 +103,93 @@ def describe_layout(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
+def input_problems(cfg: RunConfig) -> list[str]:
+    """Input files that are missing or unreadable, each as one line: the data rows are read here, so a
+    bad row is reported before any worker starts."""
+    problems = missing_inputs(cfg)
+    if problems:
+        return problems
+    from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
+
+    d = cfg.data
+    model_ready = Path(cfg.model.path, "config.json").is_file()
+    if model_ready or d.format == "prompt_label" or not d.apply_chat_template or d.tokenizer:
+        try:
+            load_prompt_dataset(d, default_tokenizer=cfg.model.path)
+        except DataError as exc:
+            problems.append(f"data.train_path: {exc}")
+    if cfg.eval.path:
+        try:
+            PromptDataset(cfg.eval.path)
+        except DataError as exc:
+            problems.append(f"eval.path: {exc}")
+    return problems
+
+
+def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """Single node: torchrun's agent in this process (one line when the job fails, instead of its
+    report), restarted from the newest checkpoint up to ``--max-restarts`` times."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser as torchrun_parser
+    from torch.distributed.run import run as torchrun
+
+    from sparse_rl_mega.faults import LAUNCHER_PID_ENV
+    from sparse_rl_mega.jobs import LOCK_HELD_ENV, FolderLocked, lock_job_folders
+
+    try:
+        locks = lock_job_folders(cfg)
+    except FolderLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # the agent's own report: see below
+    os.environ.update({LAUNCHED_AT_ENV: repr(LAUNCHED_AT), LOCK_HELD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets (its notice about it is silenced)
+    overrides = list(args.overrides)
+    print(describe_layout(cfg), flush=True)
+    try:
+        for attempt in range(args.max_restarts + 1):
+            if attempt:  # a restart's start-up is counted from its own start
+                os.environ[LAUNCHED_AT_ENV] = repr(time.time())
+            command = ["--nproc-per-node", str(cfg.parallel.nproc_per_node), "--master-addr", "127.0.0.1",
+                       "--master-port", str(free_port()), str(Path(__file__).resolve()), args.config] + \
+                      [f"--set={item}" for item in overrides]
+            try:
+                torchrun(torchrun_parser().parse_args(command))
+                return 0
+            except ChildFailedError as exc:
+                rank, failure = exc.get_first_failure()
+                how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+                       else f"exited with status {failure.exitcode}")
+                left = args.max_restarts - attempt
+                then = (f"; starting it again from the newest checkpoint ({left} restart(s) left)" if left
+                        else "; no restarts left (--max-restarts)" if args.max_restarts else "")
+                print(f"[launch] the job failed: rank {rank} {how}{then}", file=sys.stderr, flush=True)
+                if not left:
+                    return 1
+                overrides.append("checkpoint.resume=auto")
+        return 1
+    finally:
+        for lock in locks:
+            lock.release()
+
+
 def main(argv=None) -> int:
     from sparse_rl_mega.quiet import quiet_known_warnings
 
     quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        from sparse_rl_mega.jobs import die_with_parent
+
+        die_with_parent()  # no learner rank outlives its launcher or torchrun agent
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.dry_run:
         print(describe_layout(cfg))
         print("config OK (dry run: nothing started)")
@@ -116,21 +201,20 @@ def main(argv=None) -> int:
         print(describe_layout(cfg))
         print(format_plan(cfg, plan))
         return 0 if plan.fits else 3
-    missing = missing_inputs(cfg)
-    if missing:
-        for line in missing:
-            print(f"config error: {args.config}: {line}", file=sys.stderr)
+    from sparse_rl_mega.jobs import held_by_launcher
+
+    problems = [] if held_by_launcher() else input_problems(cfg)  # (a launcher checked them already)
+    if problems:
+        if os.environ.get("RANK", "0") == "0":
+            for line in problems:
+                print(f"config error: {args.config}: {line}", file=sys.stderr)
         return 2
     if not under_torchrun:
         if cfg.parallel.nnodes > 1:
             print("config error: parallel.nnodes > 1: start this script with torchrun on every node "
                   "(see README, 'Running on a cluster')", file=sys.stderr)
             return 2
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
-                   args.config] + [f"--set={item}" for item in args.overrides]
-        print(describe_layout(cfg), flush=True)
-        return subprocess.call(command, env={**os.environ, LAUNCHED_AT_ENV: repr(LAUNCHED_AT)})
+        return run_job(cfg, args)
     from sparse_rl_mega.trainer import run_training
 
     run_training(cfg, float(os.environ.get(LAUNCHED_AT_ENV, LAUNCHED_AT)))

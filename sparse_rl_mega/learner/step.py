@@ -10,6 +10,8 @@ The last pipeline stage returns vocab-parallel logits; logprobs and entropy come
 """
 from __future__ import annotations
 
+import math
+
 from functools import partial
 from typing import Optional
 
@@ -191,18 +193,30 @@ def sum_report(report: torch.Tensor) -> torch.Tensor:
 
 def train_step(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
                ) -> dict[str, float]:
-    """One optimizer step on this DP rank's share of a global batch; metrics are global (every rank)."""
+    """One optimizer step on this DP rank's share of a global batch; metrics are global (every rank).
+
+    A step whose loss or gradient norm is NaN/Inf is skipped: weights and optimizer state stay as they
+    were (``train/skipped_steps`` 1, ``train/update_ok`` 0); the next step zeroes the gradients."""
     report = forward_backward(learner, batch, algo, micro_batch_size)
-    update_ok, grad_norm, _ = learner.optimizer.step()
     values = dict(zip(REPORT_KEYS, _broadcast_from_last_stage(sum_report(report)).tolist()))
+    # Megatron's optimizer checks for inf/NaN only under a loss scaler (fp16); its norm is global (every
+    # model-parallel rank computes the same value), so every rank takes the same decision
+    learner.optimizer.prepare_grads()
+    grad_norm = float(learner.optimizer.get_grad_norm())
+    finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in values.values())
+    update_ok = False
+    if finite:
+        update_ok, grad_norm, _ = learner.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     kept = max(values["kept_tokens"], 1.0)
     metrics = {"train/loss": values["loss_sum"] / max(values["count"], 1.0),
                "train/clip_fraction": values["clipped_tokens"] / kept,
                "train/approx_kl_old": values["approx_kl_old_sum"] / kept,
                "train/entropy": values["entropy_sum"] / kept,
                "train/kept_tokens": values["kept_tokens"],
-               "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               "train/update_ok": float(bool(update_ok))}
+               "train/grad_norm": grad_norm,
+               "train/update_ok": float(bool(update_ok)),
+               "train/skipped_steps": 0.0 if finite else 1.0}
     if algo.kl_coef > 0:
         metrics["train/kl_ref"] = values["kl_ref_sum"] / kept
     return metrics

@@ -6,12 +6,17 @@ spawned). KV-compression settings reach the spawned scheduler through the enviro
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from datetime import timedelta
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -31,6 +36,34 @@ class GeneratedSample:
     finish_reason: str
     cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
     weight_version: str = ""  # the engine's weight version when the sample finished
+
+
+class EngineFailure(RuntimeError):
+    """An engine call that cannot complete: one of the engine's processes died, or the engine gave no
+    answer (no output, no reply) for ``timeout_s``. The engine is unusable afterwards (every later
+    call raises this again); the supervisor (``rollout/supervisor.py``) restarts it."""
+
+    def __init__(self, engine: str, phase: str, reason: str):
+        self.engine, self.phase, self.reason = engine, phase, reason
+        super().__init__(f"{engine} failed in {phase}: {reason}")
+
+
+def keep_process_on_child_crash() -> None:
+    """SGLang's scheduler and detokenizer (and its subprocess watchdog) send SIGQUIT to the engine's
+    host process when they fail; SGLang's handler then kills this whole process tree, and without a
+    handler (an engine started off the main thread) SIGQUIT's default action ends the process. Either
+    way a learner rank would die with its engine. Here the engine's calls notice the dead process
+    instead and raise :class:`EngineFailure`. Needs the main thread (signal handlers are set there)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGQUIT, _child_crashed)
+
+
+def _child_crashed(signum, frame) -> None:  # noqa: ARG001 (the engine's calls report the failure)
+    pass
+
+
+DEFAULT_ENGINE_TIMEOUT_S = 600.0  # no answer for this long is a hang (a 70B bucket takes seconds)
+_POLL_S = 0.25  # how often a waiting call checks the engine's processes
 
 
 # torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
@@ -131,8 +164,11 @@ class RolloutEngine:
                  max_total_tokens: Optional[int] = None, max_running_requests: Optional[int] = None,
                  mem_fraction_static: float = 0.8, attention_backend: Optional[str] = None,
                  tp_size: int = 1, base_gpu_id: int = 0, memory_saver: bool = False, log_level: str = "error",
-                 prompt_tokens: int = 1024, log=print):
-        """``base_gpu_id``: the node-local GPU of the engine's TP rank 0 (GPU only); ``memory_saver``:
+                 prompt_tokens: int = 1024, timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S, name: str = "engine",
+                 log=print):
+        """``timeout_s``: a call that gets no answer from the engine for this long fails
+        (:class:`EngineFailure`), as does one whose engine processes died; ``name`` names the engine in
+        those errors. ``base_gpu_id``: the node-local GPU of the engine's TP rank 0 (GPU only); ``memory_saver``:
         start with SGLang's memory saver so :meth:`release_memory` can free weights and KV pool while a
         colocated learner trains (GPU only). On a GPU, the KV patch's side buffers (query ring, H2O's
         mass for requests of up to ``prompt_tokens`` prompt tokens) are taken out of
@@ -183,11 +219,17 @@ class RolloutEngine:
         self.model_path = model_path
         with _without_launcher_env():
             self.engine = sgl.Engine(**kwargs)
+        keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size
+        self.name, self.timeout_s = name, timeout_s
+        # every call to SGLang runs on this one thread while the caller watches the engine's processes
+        self._caller = ThreadPoolExecutor(1, thread_name_prefix="engine-call")
+        self.failure: Optional[EngineFailure] = None
+        self.processes = _process_names(self.engine.get_all_child_pids())  # {pid: name}
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None
-        self._weight_backend = "gloo"
+        self._weight_backend, self._group_name = "gloo", WEIGHT_GROUP
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
@@ -223,7 +265,8 @@ class RolloutEngine:
                 if seed is not None:
                     sp["sampling_seed"] = seed + (prompt_offset + p_index) * n_samples + s
                 params.append(sp)
-        outputs = self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        outputs = self._call("rollout", self.engine.generate, input_ids=input_ids, sampling_params=params,
+                             return_logprob=True)
         samples = []
         for k, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -236,155 +279,292 @@ class RolloutEngine:
                 cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
         return samples
 
-    def dense_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """Logprob of ``token_ids[1:]`` given their prefixes, from one (never compressed) prefill."""
-        out = self.engine.generate(input_ids=list(token_ids), sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                   return_logprob=True, logprob_start_len=0)
+    def dense_logprobs(self, token_ids: Sequence[int], phase: str = "logprob check") -> list[float]:
+        """Logprob of ``token_ids[1:]`` given their prefixes, from one (never compressed) prefill
+        (``phase``: what a failure names)."""
+        out = self._call(phase, self.engine.generate, input_ids=list(token_ids),
+                         sampling_params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
+                         logprob_start_len=0)
         values = [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
         return [float(v) for v in values[1:]]  # the first token has no prediction
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: Optional[int] = None) -> int:
         """Load HF-named tensors bucket by bucket as in-process tensors (colocated path). See
-        :meth:`_finish_update` for the version and the cache."""
-        self.engine.begin_weight_update()
+        :meth:`_finish_update` for ``version`` and the cache."""
+        self._call("weight push", self.engine.begin_weight_update)
         try:
             for bucket in buckets:
-                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+                self._call("weight push", self.engine.update_weights_from_tensor, named_tensors=bucket, flush_cache=False)
         finally:
-            self.engine.end_weight_update()
-        return self._finish_update()
+            if self.failure is None:
+                self._call("weight push", self.engine.end_weight_update)
+        return self._finish_update(version)
 
     def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
-                             world_size: Optional[int] = None) -> None:
+                             world_size: Optional[int] = None, group_name: str = WEIGHT_GROUP) -> None:
         """Create the weight broadcast group as its member 0 (the learner's rank 0) with this engine's
         ranks as members 1..tp; ``world_size`` > 1 + tp when other engines join too
-        (:meth:`join_weight_group`). Everyone blocks until all joined, so this engine's half runs in a
-        helper thread."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        (:meth:`join_weight_group`). Everyone blocks until all joined, so this engine's half runs on the
+        call thread. A broadcast that gets no answer within ``timeout_s`` fails."""
         from sglang.srt.utils import init_custom_process_group
 
         world_size = world_size or 1 + self.tp_size
         # under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rank of a tcp:// rendezvous a client
         # of a store the agent hosts (only for torchrun's own group): this group's rank 0 must host it
-        with _without_launcher_env(), ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.engine.init_weights_update_group, master_address, master_port, 1, world_size,
-                                 WEIGHT_GROUP, backend)
+        with _without_launcher_env():
+            joined = self._submit(self.engine.init_weights_update_group, master_address, master_port, 1, world_size,
+                                  group_name, backend)
             self._weight_group = init_custom_process_group(
                 backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size, rank=0,
-                group_name=WEIGHT_GROUP)
-            ok, message = joined.result()
+                group_name=group_name, timeout=timedelta(seconds=self.timeout_s))
+            ok, message = self._wait("weight group", joined)
         if not ok:
-            raise RuntimeError(f"engine could not join the weight-update group: {message}")
-        self._weight_backend = backend
+            raise RuntimeError(f"{self.name} could not join the weight-update group: {message}")
+        self._weight_backend, self._group_name = backend, group_name
 
     def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          backend: str = "gloo") -> None:
+                          backend: str = "gloo", group_name: str = WEIGHT_GROUP) -> None:
         """This engine's ranks join the weight group that another process's :meth:`connect_weight_group`
         creates, as members ``rank_offset .. rank_offset + tp - 1``; blocks until everyone joined."""
         with _without_launcher_env():
-            ok, message = self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                                                WEIGHT_GROUP, backend)
+            ok, message = self._call("weight group", self.engine.init_weights_update_group, master_address,
+                                     master_port, rank_offset, world_size, group_name, backend)
         if not ok:
-            raise RuntimeError(f"engine could not join the weight-update group: {message}")
-        self._weight_group = "joined"
+            raise RuntimeError(f"{self.name} could not join the weight-update group: {message}")
+        self._weight_group, self._group_name = "joined", group_name
 
-    def receive_weights_broadcast(self, bucket_specs: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+    def receive_weights_broadcast(self, bucket_specs: Iterable[list[tuple[str, torch.Tensor]]],
+                                  version: Optional[int] = None) -> int:
         """Receive buckets that the group's member 0 broadcasts (:meth:`update_weights_broadcast` on
         another engine's host). ``bucket_specs`` yields each bucket's ``(name, tensor)`` with tensors of
-        the right shape and dtype (e.g. on the meta device), in the sender's order; the engine is asked
-        for each bucket in a helper thread, so the caller may go on producing (and sending) while the
-        engine waits for the broadcast."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        the right shape and dtype (e.g. on the meta device), in the sender's order; each bucket is asked
+        for on the call thread, so the caller goes on producing (and sending) while the engine waits
+        for the broadcast."""
         if self._weight_group is None:
             raise RuntimeError("join_weight_group() first")
-        self.engine.begin_weight_update()
+        self._call("weight push", self.engine.begin_weight_update)
         try:
-            with ThreadPoolExecutor(1) as pool:  # one worker: requests reach the engine in order
-                pending = [self._request_bucket(pool, bucket) for bucket in bucket_specs]
-                for received in pending:
-                    _check_bucket(received)
+            # the call thread takes requests in order: queue them all, then wait for each answer
+            pending = [self._request_bucket(bucket) for bucket in bucket_specs]
+            for received in pending:
+                self._check_bucket(received)
         finally:
-            self.engine.end_weight_update()
-        return self._finish_update()
+            if self.failure is None:
+                self._call("weight push", self.engine.end_weight_update)
+        return self._finish_update(version)
 
     def release_memory(self) -> None:
         """Free the weights and KV pool for the colocated learner's training phase (GPU, memory saver)."""
-        self.engine.release_memory_occupation()
+        self._call("memory release", self.engine.release_memory_occupation)
 
     def resume_memory(self) -> None:
         """Take the memory back before the next weight push and rollout."""
-        self.engine.resume_memory_occupation()
+        self._call("memory resume", self.engine.resume_memory_occupation)
 
-    def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+    def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                 version: Optional[int] = None) -> int:
         """Broadcast HF-named tensors bucket by bucket over the group of :meth:`connect_weight_group`
         (the engine receives each bucket's tensors in order while this rank sends them)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         import torch.distributed as dist
 
         if self._weight_group is None:
             raise RuntimeError("connect_weight_group() first")
-        self.engine.begin_weight_update()
+        self._call("weight push", self.engine.begin_weight_update)
         try:
-            with ThreadPoolExecutor(1) as pool:
-                for bucket in buckets:
-                    received = self._request_bucket(pool, bucket)
+            for bucket in buckets:
+                received = self._request_bucket(bucket)
+                try:
                     for _, tensor in bucket:
                         # the learner streams CPU tensors; NCCL broadcasts device memory only
                         tensor = tensor.cuda() if self._weight_backend == "nccl" else tensor.contiguous()
                         dist.broadcast(tensor, src=0, group=self._weight_group)
-                    _check_bucket(received)
+                except RuntimeError as exc:  # a member left (its engine died) or the group's timeout passed
+                    reason = self._health(time.time()) or f"the weight broadcast failed: {str(exc).splitlines()[0]}"
+                    self._fail("weight push", reason)
+                self._check_bucket(received)
         finally:
-            self.engine.end_weight_update()
-        return self._finish_update()
+            if self.failure is None:
+                self._call("weight push", self.engine.end_weight_update)
+        return self._finish_update(version)
 
-    def _request_bucket(self, pool, bucket: list[tuple[str, torch.Tensor]]):
-        """Ask the engine (in ``pool``'s thread) to receive one bucket over the weight group."""
-        return pool.submit(self.engine.update_weights_from_distributed, [name for name, _ in bucket],
-                           [str(t.dtype).replace("torch.", "") for _, t in bucket], [list(t.shape) for _, t in bucket],
-                           WEIGHT_GROUP, False)
+    def _request_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> Future:
+        """Ask the engine (on the call thread) to receive one bucket over the weight group."""
+        return self._submit(self.engine.update_weights_from_distributed, [name for name, _ in bucket],
+                            [str(t.dtype).replace("torch.", "") for _, t in bucket], [list(t.shape) for _, t in bucket],
+                            self._group_name, False)
 
-    def _finish_update(self) -> int:
+    def _check_bucket(self, received: Future) -> None:
+        ok, message = self._wait("weight push", received)
+        if not ok:
+            raise RuntimeError(f"{self.name} rejected a broadcast weight bucket: {message}")
+
+    def _finish_update(self, version: Optional[int]) -> int:
         """After an update: flush the prefix cache (no KV computed with old weights is reused) and set
-        the engine's weight version (every later sample reports it; the trainer checks it)."""
+        the engine's weight version (every later sample reports it; the trainer checks it): ``version``,
+        or one more than the last."""
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
-        self.engine.flush_cache()
-        self.weight_version += 1
+        self._call("weight push", self.engine.flush_cache)
+        self.weight_version = self.weight_version + 1 if version is None else version
         manager = self.engine.tokenizer_manager
-        self.engine.loop.run_until_complete(manager.update_weight_version(
+        self._call("weight push", self.engine.loop.run_until_complete, manager.update_weight_version(
             UpdateWeightVersionReqInput(new_version=str(self.weight_version), abort_all_requests=False)))
         return self.weight_version
 
     def served_weight_version(self) -> str:
         """The weight version the engine reports serving."""
-        return str(self.engine.get_model_info()["weight_version"])
+        return str(self._call("weight push", self.engine.get_model_info)["weight_version"])
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (the next rollout starts from the same state whatever ran before)."""
-        self.engine.flush_cache()
+        self._call("cache flush", self.engine.flush_cache)
 
     # ------------------------------------------------------------------ stats and lifetime
     def kv_stats(self) -> dict:
         """Engine KV statistics: cumulative eviction counters and the peak pool use since last call."""
-        states = self.engine.get_server_info()["internal_states"]
+        states = self._call("rollout", self.engine.get_server_info)["internal_states"]
         return dict(states[0].get("sparse_rl_kv", {}))
 
     def shutdown(self) -> None:
+        if self.failure is not None:  # a failed engine may not answer: its processes are killed instead
+            self.kill()
+            return
         if self.engine is not None:
             self.engine.shutdown()
+            self._release_loop()
             self.engine = None
         if self.on_shutdown is not None:
             self.on_shutdown()
 
+    def kill(self) -> None:
+        """SIGKILL the engine's processes (scheduler(s), detokenizer and their children) and wait for
+        them; for an engine that failed. This process's other children (reward workers) stay."""
+        import psutil
 
-def _check_bucket(received) -> None:
-    ok, message = received.result()
-    if not ok:
-        raise RuntimeError(f"engine rejected a broadcast weight bucket: {message}")
+        if self.engine is None:
+            return
+        watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:  # it would report the deaths below with SIGQUIT
+            watchdog.stop()
+        procs = []
+        for pid in self.processes:
+            try:
+                proc = psutil.Process(pid)
+                procs += proc.children(recursive=True) + [proc]
+            except psutil.NoSuchProcess:
+                continue
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+        for pid in self.processes:  # reap them (multiprocessing would otherwise leave zombies)
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        self._release_loop()
+        self.engine = None
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+
+    def _release_loop(self) -> None:
+        """Cancel the tokenizer manager's tasks and close its event loop, on the call thread (bounded:
+        a call stuck on a dead engine was cancelled by :meth:`_fail`), so that nothing is left pending."""
+        loop = self.engine.loop
+
+        def close() -> None:
+            tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.close()
+        try:
+            self._caller.submit(close).result(timeout=5)
+        except Exception:  # noqa: BLE001 (a stuck call thread: the loop is left to the process's end)
+            pass
+        self._caller.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ calls with deadlines
+    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+        if self.failure is not None:
+            raise self.failure
+        return self._caller.submit(fn, *args, **kwargs)
+
+    def _wait(self, phase: str, future: Future):
+        """The result of a submitted call; :class:`EngineFailure` naming ``phase`` when an engine process
+        dies or nothing comes back from the engine for ``timeout_s`` (checked every 0.25 s)."""
+        started = time.time()
+        while True:
+            try:
+                return future.result(timeout=_POLL_S)
+            except FutureTimeout:
+                pass
+            reason = self._health(started)
+            if reason is not None:
+                self._fail(phase, reason)
+
+    def _call(self, phase: str, fn: Callable, *args, **kwargs):
+        return self._wait(phase, self._submit(fn, *args, **kwargs))
+
+    def _health(self, waiting_since: float) -> Optional[str]:
+        """Why the engine cannot answer (a process gone, or silent for ``timeout_s``), else None."""
+        import psutil
+
+        stopped = []
+        for pid, name in self.processes.items():
+            try:
+                status = psutil.Process(pid).status()
+            except psutil.NoSuchProcess:
+                return f"its {name} process (pid {pid}) is gone"
+            if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
+            if status == psutil.STATUS_STOPPED:
+                stopped.append(f"{name} (pid {pid}) is stopped")
+        manager = self.engine.tokenizer_manager
+        silent = time.time() - max(waiting_since, getattr(manager, "last_receive_tstamp", 0.0))
+        if silent > self.timeout_s:
+            return (f"no answer for {silent:.0f} s (rollout.engine_timeout_s={self.timeout_s:g})"
+                    + (f"; its {', '.join(stopped)}" if stopped else ""))
+        return None
+
+    def _fail(self, phase: str, reason: str):
+        """Mark the engine failed and raise; the call thread's pending work is cancelled."""
+        self.failure = EngineFailure(self.name, phase, reason)
+        loop = self.engine.loop
+        loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
+        raise self.failure
+
+
+def _process_names(pids: Sequence[int]) -> dict[int, str]:
+    """``{pid: name}`` of an engine's processes (SGLang titles them ``sglang::scheduler`` ...)."""
+    import psutil
+
+    names = {}
+    for pid in pids:
+        try:
+            title = psutil.Process(pid).name()
+        except psutil.NoSuchProcess:
+            title = "engine"
+        names[pid] = title.split("::")[-1].split("_TP")[0] or "engine"
+    return names
+
+
+def _exit_description(pid: int) -> str:
+    """`` (killed by signal 9)`` or `` (exit status 1)`` for a dead child (reaps it), else ``""``."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return ""
+    if done == 0:
+        return ""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f" (killed by signal {sig}, {signal.Signals(sig).name})"
+    return f" (exit status {os.WEXITSTATUS(status)})"
 
 
 class EngineStart:
@@ -393,8 +573,9 @@ class EngineStart:
     mostly waits for them. :meth:`result` waits, bounded, and re-raises the start's error here.
 
     The thread then stays parked until the engine shuts down: SGLang's children ask for SIGKILL when
-    the *thread* that spawned them ends (``PR_SET_PDEATHSIG``). SGLang skips its SIGQUIT handler off
-    the main thread; a child that dies still ends this process, by SIGQUIT's default action."""
+    the *thread* that spawned them ends (``PR_SET_PDEATHSIG``). SGLang sets no SIGQUIT handler off the
+    main thread: call :func:`keep_process_on_child_crash` on the main thread, or a child that dies
+    ends this process (SIGQUIT's default action)."""
 
     def __init__(self, *args, **kwargs):
         self.engine: Optional[RolloutEngine] = None

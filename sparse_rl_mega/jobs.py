@@ -1,0 +1,126 @@
+"""What a job does about its own processes and folders: ranks that end with their launcher, a lock on
+the run (and checkpoint) folder, and one line per failure with the traceback in the run folder."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+LOCK_HELD_ENV = "SPARSE_RL_MEGA_LOCKED"  # set by a launcher that holds the job's folder locks
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the process that started it (the launcher or torchrun agent)
+    ends, however it ends: no learner rank outlives its job (its engine's processes die with it in
+    turn, they ask the same of their parent)."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not Linux: nothing to ask for
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+class FolderLocked(RuntimeError):
+    """Another job writes the folder."""
+
+
+class FolderLock:
+    """An exclusive lock on ``<folder>/.lock`` for the lifetime of this process (POSIX record lock, so
+    it also holds between hosts on NFS): the kernel releases it when the process ends, however it
+    ends. The file names the holder (host, pid, start time) for the message a second job gets."""
+
+    def __init__(self, folder: Path, what: str):
+        self.path = Path(folder) / ".lock"
+        self.what = what
+        self.handle = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            try:
+                h = json.loads(holder)
+                who = f"host {h['host']}, pid {h['pid']}, since {h['since']}"
+            except (ValueError, KeyError):
+                who = "another process"
+            raise FolderLocked(
+                f"{self.what} {self.path.parent} is in use by another job ({who}); stop that job first. If it no "
+                f"longer exists (a lock left behind on a shared file system), delete {self.path}") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        handle.flush()
+        self.handle = handle  # held (and the lock with it) until this process ends
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def lock_job_folders(cfg) -> list[FolderLock]:
+    """Lock the run folder and, when it lies elsewhere, the checkpoint folder; raises
+    :class:`FolderLocked` naming the holder."""
+    run_dir = Path(cfg.trainer.run_dir).resolve()
+    locks = [FolderLock(run_dir, "run folder (trainer.run_dir)")]
+    if cfg.checkpoint.dir:
+        ckpt = Path(cfg.checkpoint.dir).resolve()
+        if run_dir not in ckpt.parents and ckpt != run_dir:
+            locks.append(FolderLock(ckpt, "checkpoint folder (checkpoint.dir)"))
+    taken = []
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken.append(lock)
+    except FolderLocked:
+        for lock in taken:
+            lock.release()
+        raise
+    return taken
+
+
+def report_failure(exc: BaseException, run_dir: str, rank: int) -> str:
+    """Write ``exc``'s traceback to ``<run_dir>/logs/rank<R>.log`` and return the one line to print."""
+    path = Path(run_dir) / "logs" / f"rank{rank}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} failed\n")
+            f.write("".join(traceback.format_exception(exc)))
+        where = f" (traceback in {path})"
+    except OSError:
+        where = ""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"[error] rank {rank}: {message}{where}"
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` only says that another rank went away (its own failure is reported there)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                   "DistNetworkError", "connection was closed"))
+
+
+def print_error(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def held_by_launcher() -> Optional[str]:
+    return os.environ.get(LOCK_HELD_ENV)

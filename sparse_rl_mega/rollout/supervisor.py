@@ -1,0 +1,105 @@
+"""Supervision of the rollout engines: start, failure and restart.
+
+The engine's calls themselves carry the deadlines (``RolloutEngine._wait``: a call fails with
+:class:`~sparse_rl_mega.rollout.engine.EngineFailure` when an engine process dies or the engine is
+silent for ``rollout.engine_timeout_s``). Here:
+
+* :class:`EngineSupervisor`: one host's engine. Starts it (in the background), restarts it after a
+  failure, at most ``rollout.max_engine_restarts`` times in a job (``keep_process_on_child_crash`` in
+  ``engine.py`` keeps the learner rank alive when an engine child crashes).
+* :func:`agree_on_failures`: every rank learns which engines failed in a phase (a collective), so all
+  ranks retry the phase together and the collectives of the learner stay matched.
+
+The trainer's part (push the current weights to a restarted engine, sample the lost shard again) is
+in ``Trainer.recover_engines``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from sparse_rl_mega.rollout.engine import EngineFailure, EngineStart, RolloutEngine
+
+
+@dataclass(frozen=True)
+class FailedEngine:
+    """One engine's failure, as every rank sees it."""
+    index: int
+    host_rank: int
+    phase: str
+    reason: str
+
+    def line(self) -> str:
+        return f"engine {self.index} (on rank {self.host_rank}) failed in {self.phase}: {self.reason}"
+
+
+class EnginesGaveUp(RuntimeError):
+    """An engine failed more often than ``rollout.max_engine_restarts`` allows."""
+
+
+class EngineSupervisor:
+    """This host's engine: ``start()`` starts it in the background, :meth:`ready` waits for it,
+    :meth:`restart` replaces a failed one. ``make_start(name)`` returns an
+    :class:`~sparse_rl_mega.rollout.engine.EngineStart` for an engine called ``name``."""
+
+    def __init__(self, index: int, make_start: Callable[[str], EngineStart], *, max_restarts: int,
+                 start_timeout_s: float, log=print):
+        self.index, self.name = index, f"engine {index}"
+        self.make_start, self.max_restarts, self.start_timeout_s, self.log = make_start, max_restarts, start_timeout_s, log
+        self.restarts = 0  # in this job
+        self.engine: Optional[RolloutEngine] = None
+        self.starting: Optional[EngineStart] = None
+        self.start_seconds: Optional[float] = None  # how long the last start took
+
+    def start(self) -> None:
+        self.starting = self.make_start(self.name)
+
+    def ready(self, timeout_s: Optional[float] = None) -> RolloutEngine:
+        """Wait (bounded) for the engine that :meth:`start` began."""
+        start, self.starting = self.starting, None
+        self.engine = start.result(self.start_timeout_s if timeout_s is None else timeout_s)
+        self.start_seconds = start.seconds
+        return self.engine
+
+    def restart(self, why: str) -> None:
+        """Kill the engine's processes and start a fresh one (blocking); the caller gives it weights.
+        Raises :class:`EnginesGaveUp` past ``max_restarts``."""
+        if self.engine is not None:
+            self.engine.kill()
+            self.engine = None
+        if self.restarts >= self.max_restarts:
+            raise EnginesGaveUp(f"{why}; rollout.max_engine_restarts={self.max_restarts} restart(s) already used")
+        self.restarts += 1
+        self.start()
+        self.ready()
+
+    def close(self, wait_s: float) -> None:
+        """Shut the engine down; one still starting is waited for up to ``wait_s`` (after that its
+        processes die with this one: they ask for SIGKILL when it ends)."""
+        if self.starting is not None:
+            try:
+                self.ready(wait_s)
+            except Exception:  # noqa: BLE001 (no engine to shut down)
+                pass
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def agree_on_failures(failure: Optional[EngineFailure], index: Optional[int]) -> list[FailedEngine]:
+    """Every rank passes its engine's failure in the current phase (None: none, or no engine); all get
+    the list of failed engines (a collective)."""
+    mine = None if failure is None else FailedEngine(index, dist.get_rank(), failure.phase, failure.reason)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [f for f in everyone if f is not None]
+
+
+def agree_on_errors(error: Optional[str]) -> list[str]:
+    """Every rank passes an error of its own (None: none); all get the list (a collective), so that a
+    rank's failure to recover stops every rank at the same point."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    return [e for e in everyone if e is not None]

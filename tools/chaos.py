@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Kill parts of a training job at random points and check that it ends exactly where an uninterrupted
+run ends.
+
+    python tools/chaos.py examples/cpu_tiny.yaml --trials 10 [--seed 0] [--set KEY=VALUE ...]
+
+The config runs once uninterrupted, then ``--trials`` times with one fault drawn at random (seeded):
+SIGKILL of engine 0's scheduler, SIGSTOP of it (a hang), SIGKILL of one learner rank or of the launcher,
+during the rollout, the training, the weight push or the checkpoint save of a random iteration
+(``sparse_rl_mega/faults.py`` fires it inside the job at that point). The job recovers by itself
+(engine restart, or the launcher's ``--max-restarts``); a killed launcher takes its whole job with it
+(nothing may be left running), and the tool then starts it again with ``--resume``, as a person or a
+cluster scheduler would. Each trial's final checkpoint (weights, optimizer state) and its per-iteration
+metrics (MLflow; the last value logged per iteration) must equal the uninterrupted run's. Not compared:
+``time/*``, ``engine/restarts`` and ``sync/pre_sync_*`` (the engine before a push: a restarted engine
+holds the initial weights there).
+
+Prints one line per trial and ``exact=K/N``; exit status 0 when every trial is exact. Runs go to
+``--out`` (default ``runs/chaos/<time>``). Checkpoints are saved every iteration (a killed learner
+resumes from the newest).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sparse_rl_mega.config import ConfigError, load_config  # noqa: E402
+from sparse_rl_mega.faults import FAULT_ENV, Fault  # noqa: E402
+
+TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher"]
+PHASES = ["rollout", "train", "push", "checkpoint"]
+NOT_COMPARED = ("time/", "engine/restarts", "sync/pre_sync_")
+HANG_TIMEOUT_S = 10  # rollout.engine_timeout_s in the trials: a stopped engine is found within this
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="chaos.py", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML run config (e.g. examples/cpu_tiny.yaml)")
+    p.add_argument("--trials", type=int, default=10, help="faulted runs (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the faults drawn (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/chaos/<time>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run (repeatable)")
+    args = p.parse_args(argv)
+    if args.trials < 1:
+        p.error("--trials must be >= 1")
+    return args
+
+
+def draw_faults(n: int, iterations: int, world: int, seed: int) -> list[Fault]:
+    """``n`` faults, targets taken in turn from a shuffled cycle (so that few trials still cover every
+    kind), phase, iteration and delay at random."""
+    rng = random.Random(seed)
+    targets = [t for t in TARGETS if not t.startswith("kill-rank") or int(t[len("kill-rank"):]) < world]
+    order: list[str] = []
+    while len(order) < n:
+        cycle = targets[:]
+        rng.shuffle(cycle)
+        order += cycle
+    return [Fault(what, rng.choice(PHASES), rng.randint(1, iterations), round(rng.uniform(0.0, 0.5), 2))
+            for what in order[:n]]
+
+
+def launch(config: str, run_dir: Path, overrides: list[str], env: dict, extra: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "tools" / "launch.py"), config, f"--set=trainer.run_dir={run_dir}",
+               *[f"--set={o}" for o in overrides], *extra]
+    with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        return subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Pids of processes still running for the job writing ``run_dir`` (its launcher and learner ranks
+    name it on their command line; engine and reward processes are their children)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in proc.info["cmdline"] or []):
+                found.add(proc.pid)
+                found.update(child.pid for child in proc.children(recursive=True))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return sorted(found)
+
+
+def final_state(run_dir: Path, iterations: int) -> dict:
+    """Every tensor of the final checkpoint (model and optimizer), read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint = run_dir / "checkpoints" / f"iter_{iterations:07d}"
+    if not checkpoint.is_dir():
+        return {}
+    whole = run_dir / "final_state.pt"
+    dcp_to_torch_save(checkpoint, whole)
+    state = torch.load(whole, weights_only=False)
+    whole.unlink()
+    flat: dict = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}{key}.", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}{i}.", item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix[:-1]] = value
+    walk("", state)
+    return flat
+
+
+def metrics_by_iteration(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The last value logged for each compared metric at each step, over every run in the store."""
+    import mlflow
+
+    from sparse_rl_mega.tracking import default_tracking_uri
+
+    client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir))
+    out: dict[int, dict[str, float]] = {}
+    experiments = client.search_experiments()
+    runs = client.search_runs([e.experiment_id for e in experiments], order_by=["attributes.start_time ASC"])
+    for run in runs:
+        for key in run.data.metrics:
+            if key.startswith(NOT_COMPARED) or key.startswith("eval/"):
+                continue
+            for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp):
+                out.setdefault(m.step, {})[key] = m.value
+    return out
+
+
+def compare(reference: tuple, trial: tuple) -> list[str]:
+    """What differs between two (final state, metrics) pairs."""
+    (ref_state, ref_metrics), (state, metrics) = reference, trial
+    import torch
+
+    diffs = []
+    if not state:
+        return ["no final checkpoint"]
+    if state.keys() != ref_state.keys():
+        diffs.append(f"checkpoint keys differ ({len(state)} vs {len(ref_state)})")
+    changed = [k for k in ref_state if k in state and not torch.equal(state[k], ref_state[k])]
+    if changed:
+        diffs.append(f"{len(changed)} checkpoint tensor(s) differ, e.g. {changed[0]}")
+    for step in sorted(ref_metrics):
+        got = metrics.get(step, {})
+        for key, value in ref_metrics[step].items():
+            if key not in got:
+                diffs.append(f"iteration {step + 1}: {key} missing")
+            elif got[key] != value and not (got[key] != got[key] and value != value):  # NaN == NaN here
+                diffs.append(f"iteration {step + 1}: {key} {got[key]!r} vs {value!r}")
+    return diffs
+
+
+def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    out = (args.out or ROOT / "runs" / "chaos" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    iterations = cfg.trainer.iterations
+    overrides = list(args.overrides) + ["checkpoint.save_interval=1", "checkpoint.dir=null"]
+    base_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+
+    started = time.time()
+    reference_dir = out / "uninterrupted"
+    done = launch(args.config, reference_dir, overrides, base_env, [])
+    if done.returncode != 0:
+        print(f"[chaos] the uninterrupted run failed (status {done.returncode}); see {reference_dir}.log", file=sys.stderr)
+        return 1
+    reference = (final_state(reference_dir, iterations), metrics_by_iteration(reference_dir))
+    print(f"[chaos] uninterrupted run: {iterations} iterations in {time.time() - started:.0f} s ({reference_dir})",
+          flush=True)
+
+    faults = draw_faults(args.trials, iterations, cfg.world_size, args.seed)
+    exact = 0
+    for n, fault in enumerate(faults, 1):
+        run_dir = out / f"trial{n:02d}"
+        env = {**base_env, FAULT_ENV: fault.spec()}
+        trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if fault.what == "stop-engine" else [])
+        started = time.time()
+        done = launch(args.config, run_dir, trial_overrides, env, ["--max-restarts", "2"])
+        how = "recovered in the job"
+        leftovers: list[int] = []
+        if done.returncode != 0 and fault.what == "kill-launcher":
+            deadline = time.time() + 15
+            while (leftovers := processes_of(run_dir)) and time.time() < deadline:
+                time.sleep(0.5)
+            done = launch(args.config, run_dir, trial_overrides, env, ["--resume"])
+            how = "launcher killed; started again with --resume"
+        text = (run_dir.parent / f"{run_dir.name}.log").read_text()
+        if "starting it again from the newest checkpoint" in text:
+            how = "job restarted by the launcher"
+        elif "[engine] " in text and "restarting" in text:
+            how = "engine restarted"
+        if not (run_dir / f".fault_{fault.spec()}").exists():
+            how += " (the fault did not fire)"
+        diffs = [f"job failed (status {done.returncode})"] if done.returncode != 0 else \
+            compare(reference, (final_state(run_dir, iterations), metrics_by_iteration(run_dir)))
+        if leftovers:
+            diffs.append(f"processes left after the launcher died: {leftovers}")
+        exact += not diffs
+        verdict = "exact" if not diffs else "DIFFERS: " + "; ".join(diffs[:3]) + (f" (+{len(diffs) - 3})" if len(diffs) > 3 else "")
+        print(f"[chaos] trial {n}/{len(faults)} {fault.spec():<28} {how}, {time.time() - started:.0f} s: {verdict}",
+              flush=True)
+    print(f"[chaos] exact={exact}/{len(faults)} (runs and logs in {out})", flush=True)
+    return 0 if exact == len(faults) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

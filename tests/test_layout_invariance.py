@@ -190,3 +190,18 @@ def test_distributed_optimizer_shards_adam_and_trains_like_the_replicated_one(me
         assert torch.allclose(sharded["weights"][name], weight, rtol=0, atol=1e-6), name
     initial = read_hf_state_dict(tiny_model_dir)  # and the steps did move every weight
     assert all(not torch.equal(initial[name], weight) for name, weight in sharded["weights"].items())
+
+
+def test_a_non_finite_step_is_skipped_and_training_goes_on(megatron):
+    """A NaN in the batch makes loss and gradients NaN: the step is skipped (counted), weights and Adam's
+    moments stay bit for bit, and the next finite step trains (replicated and distributed optimizer)."""
+    import math
+
+    for name in ("replicated", "distributed"):
+        result = megatron["optimizer"][name]["non_finite"]
+        skipped, following = result["skipped"], result["following"]
+        assert skipped["train/skipped_steps"] == 1.0 and skipped["train/update_ok"] == 0.0, (name, skipped)
+        assert not math.isfinite(skipped["train/loss"]) and not math.isfinite(skipped["train/grad_norm"])
+        assert result["weights_unchanged"] and result["adam_unchanged"], name
+        assert following["train/skipped_steps"] == 0.0 and following["train/update_ok"] == 1.0, (name, following)
+        assert math.isfinite(following["train/grad_norm"]) and following["train/grad_norm"] > 0

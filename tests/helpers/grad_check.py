@@ -14,7 +14,7 @@ no-grad pass (activation recomputation runs them twice).
 
 kind "optimizer": two optimizer steps on that batch with the replicated Adam and with Megatron's
 distributed optimizer (float32): the weights after them, the step metrics, and how many Adam state
-values each rank holds.
+values each rank holds; then a step with a NaN advantage (skipped?) and a normal one.
 """
 import json
 import sys
@@ -133,10 +133,35 @@ def optimizer_job(cfg, model_dir) -> dict:
         held = [None] * dist.get_world_size()
         dist.all_gather_object(held, state_values)
         params = sum(p.numel() for chunk in learner.modules for p in chunk.parameters())
+        weights = gather_hf_state_dict(learner.modules, cfg.model.arch)
         results["distributed" if sharded else "replicated"] = {
-            "weights": gather_hf_state_dict(learner.modules, cfg.model.arch), "steps": steps,
-            "adam_values_per_rank": held, "params_per_rank": params}
+            "weights": weights, "steps": steps, "adam_values_per_rank": held, "params_per_rank": params,
+            "non_finite": _non_finite_step(cfg, learner, local, weights, inner)}
     return results
+
+
+def _non_finite_step(cfg, learner, local, weights, inner) -> dict:
+    """A step whose batch has one NaN advantage (loss and gradients NaN), then a normal one: metrics,
+    and whether the NaN step left weights and Adam's state exactly as they were."""
+    import copy
+
+    from sparse_rl_mega.learner.step import train_step
+    from sparse_rl_mega.learner.weights import gather_hf_state_dict
+
+    adam = [t.clone() for opt in inner for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    poisoned = copy.copy(local)
+    poisoned.advantages = local.advantages.clone()
+    poisoned.advantages[0] = float("nan")
+    skipped = train_step(learner, poisoned, cfg.algorithm, cfg.trainer.micro_batch_size)
+    after = gather_hf_state_dict(learner.modules, cfg.model.arch)
+    adam_after = [t for opt in inner for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    unchanged = [weights is None or bool(all(torch.equal(after[k], w) for k, w in weights.items())),  # (rank 0 gathers)
+                 bool(len(adam) == len(adam_after) and all(torch.equal(a, b) for a, b in zip(adam, adam_after)))]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, unchanged)
+    following = train_step(learner, local, cfg.algorithm, cfg.trainer.micro_batch_size)
+    return {"skipped": skipped, "weights_unchanged": all(u[0] for u in everyone),
+            "adam_unchanged": all(u[1] for u in everyone), "following": following}
 
 
 def main() -> None:

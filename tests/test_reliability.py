@@ -1,0 +1,82 @@
+"""A job's processes and folders: nothing outlives a killed launcher, a second job on a run folder in
+use is refused with the holder named, and a user's mistake in the data is one line per problem before
+any worker starts. (Engine crashes and hangs during a run: tests/test_resume.py; non-finite steps:
+tests/test_layout_invariance.py; the KV soak: tests/test_engine_retraction.py.)"""
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.conftest import ROOT, TRAIN_DATA, run_launch, write_test_config
+
+
+def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_path):
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1 + 2 =", "label": "3"}\n{"prompt": "2 + 2 ="}\nnot json\n')
+    config = write_test_config(tmp_path / "bad.yaml", tiny_model_dir, tmp_path / "run")
+    config.write_text(config.read_text().replace(str(TRAIN_DATA), str(rows)))
+    started = time.perf_counter()
+    done = run_launch(config, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert time.perf_counter() - started < 60  # no worker, engine or learner was started
+    assert "[setup]" not in done.stdout and "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    # one message: what is wrong with the file, then each bad row as file:row
+    assert lines[0].startswith(f"config error: {config}: data.train_path: {rows}"), lines
+    assert [line.split(": ")[0].strip() for line in lines[1:]] == [f"{rows}:2", f"{rows}:3"], lines
+
+
+def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_model_dir, tmp_path):
+    """SIGKILL of ``tools/launch.py`` while its job runs (injected as the first rollout starts): every
+    process of the job (learner ranks, SGLang scheduler and detokenizer) is gone within seconds. While
+    it ran, a second job on the same run folder stopped at once, naming the first one's host and pid."""
+    run_dir = tmp_path / "run"
+    config = write_test_config(tmp_path / "job.yaml", tiny_model_dir, run_dir)
+    log = open(tmp_path / "job.log", "w")
+    # 50 iterations: orphans, if any, would still be training when they are looked for
+    job = subprocess.Popen([sys.executable, ROOT / "tools" / "launch.py", config, "--set=trainer.iterations=50"],
+                           cwd=ROOT, stdout=log,
+                           stderr=subprocess.STDOUT, env={**os.environ, "SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:1"})
+    seen: set[int] = set()
+    try:
+        lock = run_dir / ".lock"
+        deadline = time.time() + 60
+        while not (lock.is_file() and lock.read_text().strip()) and time.time() < deadline:
+            time.sleep(0.2)
+        second = run_launch(config, timeout=120)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "is in use by another job (host " in second.stderr and f"pid {job.pid}," in second.stderr, second.stderr
+        assert "[setup]" not in second.stdout
+        deadline = time.time() + 300
+        while job.poll() is None and time.time() < deadline:
+            try:
+                seen.update(p.pid for p in psutil.Process(job.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.2)
+        assert job.wait(timeout=5) == -9, (tmp_path / "job.log").read_text()[-3000:]
+        assert len(seen) >= 4, seen  # two learner ranks, the engine's scheduler and detokenizer at least
+
+        def alive():
+            out = []
+            for pid in seen:
+                try:
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        out.append(pid)
+                except psutil.NoSuchProcess:
+                    pass
+            return out
+        deadline = time.time() + 10
+        while alive() and time.time() < deadline:
+            time.sleep(0.2)
+        assert not alive(), [(p, psutil.Process(p).cmdline()[:3]) for p in alive()]
+        assert "[iter 1/50]" not in (tmp_path / "job.log").read_text()  # nothing trained on without it
+    finally:
+        for pid in [job.pid, *seen]:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        log.close()

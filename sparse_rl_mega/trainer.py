@@ -79,19 +79,16 @@ class Trainer:
     def __init__(self, cfg: RunConfig, launched_at: Optional[float] = None):
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.supervisor = None  # this host's engine: start, restart (sparse_rl_mega/rollout/supervisor.py)
+        self.fleet = None  # the job's engines, this rank's share of them (sparse_rl_mega/rollout/fleet.py)
         self.tracker = None
         self.scorer = None  # engine hosts: the reward scorer (math: a pool of checking processes)
         self.ref_model = None
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.placement = None  # this rank's engine, when it hosts one (sparse_rl_mega/rollout/placement.py)
-        self.engine_released = False  # a colocated GPU engine gave its memory to the learner
         self.engine_seconds: Optional[float] = None  # how long it took to come up
         self.weight_version = 0  # what the engines serve: the weights after this many iterations
-        self.engine_restarts = 0  # in the current iteration (all engines)
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
-        self.weight_groups = 0  # weight broadcast groups formed (one more after engines restart)
         self.clock = PhaseClock(launched_at)
         from sparse_rl_mega.faults import FaultInjector
 
@@ -106,7 +103,7 @@ class Trainer:
     @property
     def engine(self):
         """This host's engine (None off the engine hosts, or while it starts)."""
-        return self.supervisor.engine if self.supervisor is not None else None
+        return self.fleet.engine if self.fleet is not None else None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -170,7 +167,7 @@ class Trainer:
         dist.barrier()
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
             self.weight_version = self.start_iteration
-            self.sync_weights(PhaseTimer(), None, self.weight_version)
+            self.fleet.push_weights(None, self.weight_version)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
             self.clock.mark("weights to the engine")
         engine = f"; engine up in {self.engine_seconds:.1f} s" if self.engine_seconds is not None else ""
@@ -187,28 +184,22 @@ class Trainer:
         """Every engine host starts its reward scorer and, on a background thread, its engine
         (sparse_rl_mega/rollout/placement.py); :meth:`finish_engine_start` waits for it. ``background``:
         the learner is built meanwhile (only said in the log)."""
-        from sparse_rl_mega.rollout.placement import engine_placements
+        from sparse_rl_mega.rollout.fleet import EngineFleet
 
         cfg, r = self.cfg, self.cfg.rollout
-        p = cfg.parallel
-        self.placements = engine_placements(p.nnodes, p.nproc_per_node, r.num_engines,
-                                            r.engine_tensor_parallel_size, r.placement)
-        mine = [e for e in self.placements if e.host_rank == self.rank]
-        self.placement = mine[0] if mine else None
+        self.fleet = EngineFleet(cfg, self.rank, self.faults, log)
+        self.placement = self.fleet.placement
         on_gpu = torch.cuda.is_available()
-        # colocated engines on GPU give their memory back while the learner trains
-        self.release_memory = on_gpu and r.placement == "colocated"
         if self.placement is not None:
             from transformers import AutoTokenizer
 
             from sparse_rl_mega.evaluation import needs_request_override
             from sparse_rl_mega.reward import build_scorer
-            from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings, keep_process_on_child_crash
-            from sparse_rl_mega.rollout.supervisor import EngineSupervisor
+            from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings
 
             self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            log(f"[setup] starting {len(self.placements)} SGLang engine(s) x TP {r.engine_tensor_parallel_size} "
+            log(f"[setup] starting {len(self.fleet.placements)} SGLang engine(s) x TP {r.engine_tensor_parallel_size} "
                 f"({r.placement}; KV policy {r.kv_compression.policy}, budget {r.kv_compression.budget})"
                 f"{' while the learner loads' if background else ''} ...")
             kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
@@ -224,57 +215,18 @@ class Trainer:
                     max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
                     mem_fraction_static=r.mem_fraction_static, attention_backend=r.attention_backend,
                     tp_size=r.engine_tensor_parallel_size, base_gpu_id=self.placement.first_device,
-                    memory_saver=self.release_memory, prompt_tokens=prompt_tokens, timeout_s=r.engine_timeout_s,
-                    name=name, log=log)
+                    memory_saver=self.fleet.release_memory, prompt_tokens=prompt_tokens,
+                    timeout_s=r.engine_timeout_s, name=name, log=log)
 
-            keep_process_on_child_crash()  # an engine child's crash must not end this learner rank
-            self.supervisor = EngineSupervisor(self.placement.index, make_start, max_restarts=r.max_engine_restarts,
-                                               start_timeout_s=r.startup_timeout_s, log=log)
-            self.supervisor.start()
+            self.fleet.start(make_start)
 
     def finish_engine_start(self) -> None:
-        """Wait for this host's engine; with the broadcast sync, rank 0 and every engine then join one
-        weight group. Rank 0 shares the sequence that checks a restarted engine's weights."""
+        """Wait for this host's engine (and form the weight broadcast group); rank 0 gives the sequence
+        that checks a restarted engine's weights: the first training prompt."""
         from sparse_rl_mega.data.formatting import encode_prompt
 
-        if self.supervisor is not None and self.supervisor.starting is not None:
-            self.supervisor.ready()
-            self.engine_seconds = self.supervisor.start_seconds
-        probe = [encode_prompt(self.tokenizer, self.dataset.records[0].prompt) if self.rank == 0 else None]
-        dist.broadcast_object_list(probe, src=0)
-        self.restart_probe = probe[0]  # the first training prompt
-        self.form_weight_group()
-
-    def form_weight_group(self) -> None:
-        """With the broadcast sync: rank 0 and every engine join one weight group (a collective; again
-        after engines restart, under a new name)."""
-        from sparse_rl_mega.rollout.placement import weight_group_size
-
-        cfg, p = self.cfg, self.cfg.parallel
-        on_gpu = torch.cuda.is_available()
-        if cfg.trainer.sync_method == "broadcast":
-            from sparse_rl_mega.rollout.engine import WEIGHT_GROUP
-
-            self.weight_groups += 1
-            name = WEIGHT_GROUP if self.weight_groups == 1 else f"{WEIGHT_GROUP}_{self.weight_groups}"
-            from sparse_rl_mega.ports import free_port
-
-            address = [None]
-            if self.rank == 0:  # rank 0 hosts the group's store: the launcher's master address reaches it
-                host = os.environ.get("MASTER_ADDR", "127.0.0.1") if p.nnodes > 1 else "127.0.0.1"
-                address = [(host, free_port())]
-            dist.broadcast_object_list(address, src=0)
-            host, port = address[0]
-            # NCCL refuses two members on one GPU: a colocated engine shares rank 0's GPU, so colocated
-            # engines receive over gloo (staged through host memory); separate engines over NCCL
-            backend = "nccl" if on_gpu and cfg.rollout.placement == "separate" else "gloo"
-            size = weight_group_size(self.placements)
-            if self.rank == 0:
-                self.engine.connect_weight_group(host, port, backend=backend, world_size=size, group_name=name)
-            elif self.placement is not None:
-                self.engine.join_weight_group(host, port, self.placement.rank_offset, size, backend=backend,
-                                              group_name=name)
-            log(f"[setup] weight broadcast group of {size} members joined ({backend}, {host}:{port})")
+        check_ids = encode_prompt(self.tokenizer, self.dataset.records[0].prompt) if self.rank == 0 else None
+        self.engine_seconds = self.fleet.ready(self.learner, check_ids)
 
     def setup_eval(self) -> None:
         """Rank 0: the held-out prompts and KV settings of ``eval``."""
@@ -362,29 +314,14 @@ class Trainer:
         from sparse_rl_mega.reward.scorer import ScorerStats
         from sparse_rl_mega.rollout.placement import prompt_shard
 
-        from sparse_rl_mega.rollout.engine import EngineFailure
-        from sparse_rl_mega.rollout.supervisor import agree_on_failures
-
         cfg = self.cfg
-        mine = None
-        while True:  # until every engine has sampled its shard (a failed engine is restarted, then resamples)
-            failure = None
-            if self.placement is not None:
-                try:
-                    if mine is None:
-                        records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed,
-                                                     cfg.data.shuffle)
-                        shard = prompt_shard(len(records), len(self.placements), self.placement.index)
-                        mine = self.sample_shard(records, shard, iteration, timer)
-                    if self.release_memory and not self.engine_released:  # the learner trains in its memory
-                        self.engine.release_memory()
-                        self.engine_released = True
-                except EngineFailure as exc:
-                    failure = exc
-            failed = agree_on_failures(failure, self.placement.index if self.placement else None)
-            if not failed:
-                break
-            self.recover_engines(failed, self.weight_version)  # then the failed engines sample again
+
+        def my_shard(engine):
+            records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
+            shard = prompt_shard(len(records), len(self.fleet.placements), self.placement.index)
+            return self.sample_shard(engine, records, shard, iteration, timer)
+        # an engine that fails is restarted with the current weights and samples its shard again
+        mine = self.fleet.sample(my_shard, self.weight_version)
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
         shards = sorted((s for s in shards if s is not None), key=lambda s: s["first_prompt"])
@@ -422,31 +359,31 @@ class Trainer:
         }
         return batch, metrics, samples[0].response_text
 
-    def sample_shard(self, records, shard: range, iteration: int, timer: PhaseTimer) -> dict:
-        """This host's engine samples prompts ``shard`` of the iteration's ``records``; scored."""
+    def sample_shard(self, engine, records, shard: range, iteration: int, timer: PhaseTimer) -> dict:
+        """This host's ``engine`` samples prompts ``shard`` of the iteration's ``records``; scored."""
         from sparse_rl_mega.data.formatting import encode_prompt
 
         cfg = self.cfg
         prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
         with timer.phase("rollout"):
-            stats_before = self.engine.kv_stats()
+            stats_before = engine.kv_stats()
             # the seeds of one engine given every prompt: the same samples for any number of engines
-            samples = self.engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens,
-                                           cfg.rollout.temperature, cfg.rollout.top_p,
-                                           seed=cfg.trainer.seed * 100_003 + iteration * 7919, prompt_offset=shard.start)
-            stats_after = self.engine.kv_stats()
+            samples = engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens,
+                                      cfg.rollout.temperature, cfg.rollout.top_p,
+                                      seed=cfg.trainer.seed * 100_003 + iteration * 7919, prompt_offset=shard.start)
+            stats_after = engine.kv_stats()
         for sample in samples:  # the iteration's prompt numbering (GRPO group ids)
             sample.prompt_index += shard.start
-        stale = {s.weight_version for s in samples} - {str(self.engine.weight_version)}
+        stale = {s.weight_version for s in samples} - {str(engine.weight_version)}
         if stale:  # a sample generated with other weights than the learner's last push
             raise RuntimeError(f"engine {self.placement.index}: rollout samples report weight version(s) "
-                               f"{sorted(stale)}, expected {self.engine.weight_version}")
+                               f"{sorted(stale)}, expected {engine.weight_version}")
         with timer.phase("reward"):
             rewards = self.scorer.score([s.response_text for s in samples],
                                         [records[s.prompt_index].label for s in samples])
         return {
             "first_prompt": shard.start, "samples": samples, "rewards": rewards, "scorer": self.scorer.last_stats,
-            "pad_id": self.tokenizer.pad_token_id or 0, "weight_version": self.engine.weight_version,
+            "pad_id": self.tokenizer.pad_token_id or 0, "weight_version": engine.weight_version,
             "compression": self.per_sample_compression(samples),
             "kv": {key: float(stats_after.get(key, 0) - stats_before.get(key, 0))
                    for key in ("evicted_tokens", "compactions", "freed_slots")},
@@ -489,143 +426,6 @@ class Trainer:
                 for k in range(batch_size // g)]
         return torch.cat(rows)
 
-    def sync_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]], version: int,
-                     check_before: bool = True) -> dict[str, float]:
-        """Push the learner's shards to every engine as HF tensors, streamed layer by layer into buckets
-        (every rank takes part: the pieces travel to rank 0, which pushes them to its engine in-process
-        or broadcasts them to all engines), as weight ``version``; optionally check every engine against
-        the learner. An engine that fails meanwhile is restarted and given the weights
-        (:meth:`recover_engines`). ``check_before``: also measure the engines' difference from the
-        learner before the push (``sync/pre_sync_max_abs_logprob_diff``)."""
-        from sparse_rl_mega.rollout.supervisor import agree_on_failures
-
-        metrics, failure = self._push_weights(timer, probe_ids, version, check_before)
-        failed = agree_on_failures(failure, self.placement.index if self.placement else None)
-        if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
-            before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
-            return {**self.recover_engines(failed, version, probe_ids), **before}
-        return metrics
-
-    def _push_weights(self, timer: PhaseTimer, probe_ids: Optional[list[int]], version: int, check_before: bool):
-        """One push of :meth:`sync_weights`: ``(metrics, this host's EngineFailure or None)``. A host whose
-        engine fails goes on streaming its pieces, so that every rank's collectives stay matched."""
-        from sparse_rl_mega.learner.weights import buckets, stream_hf_tensors
-        from sparse_rl_mega.rollout.engine import EngineFailure
-
-        cfg = self.cfg
-        metrics: dict[str, float] = {}
-        failure: Optional[EngineFailure] = None
-        check = probe_ids is not None
-        learner_logp = self.probe_logprobs(probe_ids) if check else None  # every rank takes part
-        host = self.engine is not None
-        before = None
-        try:
-            if host and self.engine_released:  # a colocated GPU engine takes its memory back first
-                self.engine.resume_memory()
-                self.engine_released = False
-            # (released weights come back undefined until the push)
-            if check and check_before and host and not self.release_memory:
-                before = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase="weight sync (logprob check)"),
-                                       learner_logp)
-        except EngineFailure as exc:
-            failure = exc
-        if check and check_before and not self.release_memory:
-            metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(before)
-        with timer.phase("sync"):
-            dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-            bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
-            # engine hosts other than rank 0 plan the same buckets from the tensors' shapes and receive them
-            stream = stream_hf_tensors(self.learner.modules, cfg.model.arch, specs_elsewhere=host)
-            sent: list[int] = []  # bytes of each tensor pushed, for the metrics
-
-            def counted(named):
-                for name, tensor in named:
-                    sent.append(tensor.numel() * dtype.itemsize)
-                    yield name, tensor
-            parts = buckets(counted(stream) if self.rank == 0 else stream, bucket_bytes, dtype) if host else stream
-            self.faults.at("push", version - 1)
-            try:
-                if self.rank == 0 and failure is None:
-                    push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
-                        else self.engine.update_weights
-                    push(parts, version)
-                elif host and failure is None:
-                    self.engine.receive_weights_broadcast(parts, version)
-                if host and failure is None:
-                    served = self.engine.served_weight_version()
-                    if served != str(version):
-                        raise RuntimeError(f"after the weight sync engine {self.placement.index} serves version "
-                                           f"{served}, expected {version}")
-            except EngineFailure as exc:
-                failure = exc
-            for _ in parts:  # this rank's remaining pieces (all of them off the engine hosts) still travel
-                pass
-            if self.rank == 0:
-                metrics["sync/bytes"] = float(sum(sent))
-                metrics["sync/tensors"] = float(len(sent))
-            metrics["sync/weight_version"] = float(version)
-        if check:
-            after = None
-            try:
-                if host and failure is None:
-                    after = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase="weight sync (logprob check)"),
-                                          learner_logp)
-                    self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
-            except EngineFailure as exc:
-                failure = exc
-            metrics["sync/max_abs_logprob_diff"] = self.max_over_engines(after)
-        return metrics, failure
-
-    def recover_engines(self, failed: list, version: int, probe_ids: Optional[list[int]] = None) -> dict[str, float]:
-        """Restart the engines in ``failed`` (every engine with the broadcast sync: they share one
-        weight group) and push them weights ``version``, checked as after every push (a collective)
-        on ``probe_ids`` (default: the first training prompt).
-        Past ``rollout.max_engine_restarts`` the job stops, naming the engine and the phase."""
-        from sparse_rl_mega.rollout.supervisor import EnginesGaveUp, agree_on_errors
-
-        cfg = self.cfg
-        broadcast = cfg.trainer.sync_method == "broadcast"
-        for f in failed:
-            log(f"[engine] {f.line()}; restarting {'every engine (one weight group)' if broadcast else 'it'}")
-        self.engine_restarts += len(failed)
-        started = time.perf_counter()
-        error = None
-        mine = self.placement is not None and (broadcast or self.placement.index in {f.index for f in failed})
-        if mine:
-            why = next((f.line() for f in failed if f.index == self.placement.index), "another engine failed")
-            try:
-                self.supervisor.restart(why)
-                self.engine_released = False
-            except Exception as exc:  # noqa: BLE001 (every rank stops below, with this line)
-                error = f"{exc}" if isinstance(exc, EnginesGaveUp) else f"engine {self.placement.index}: restart failed: {exc}"
-        errors = agree_on_errors(error)
-        if errors:
-            raise EnginesGaveUp(errors[0])
-        self.form_weight_group()
-        metrics = self.sync_weights(PhaseTimer(), probe_ids or self.restart_probe, version, check_before=False)
-        log(f"[engine] {'every engine' if broadcast else ', '.join(f'engine {f.index}' for f in failed)} restarted "
-            f"and given weights version {version} in {time.perf_counter() - started:.1f} s (logprob difference "
-            f"from the learner {metrics.get('sync/max_abs_logprob_diff', float('nan')):.1e})")
-        return metrics
-
-    def max_over_engines(self, value: Optional[float]) -> float:
-        """The largest of the engine hosts' values (a collective: every rank calls it); NaN when no
-        engine gave one."""
-        values: list = [None] * dist.get_world_size()
-        dist.all_gather_object(values, value)
-        return max((v for v in values if v is not None), default=float("nan"))
-
-    def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
-        """The learner's dense logprobs of ``probe_ids[1:]`` (every rank takes part)."""
-        from sparse_rl_mega.batch import RolloutBatch
-        from sparse_rl_mega.learner.step import forward_logprobs
-
-        ids = torch.tensor([probe_ids])
-        one = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(1, ids.shape[1] - 1),
-                           logp_sparse=torch.zeros(1, ids.shape[1] - 1), rewards=torch.zeros(1),
-                           group_ids=torch.zeros(1, dtype=torch.long))
-        return forward_logprobs(self.learner.chunks, one, 1)[0].tolist()
-
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         from sparse_rl_mega.algo.advantages import grpo_advantages
@@ -641,7 +441,7 @@ class Trainer:
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
-            self.engine_restarts = 0
+            self.fleet.restarts = 0
             self.faults.at("rollout", iteration)
             batch, metrics, example = self.rollout(iteration, timer)
             self.faults.at("train", iteration)
@@ -692,7 +492,7 @@ class Trainer:
             trained = iteration + 1
             self.weight_version = trained
             self.faults.at("sync", iteration)
-            metrics.update(self.sync_weights(timer, probe, self.weight_version))
+            metrics.update(self.fleet.push_weights(probe, self.weight_version, timer))
 
             if cfg.checkpoint.save_interval and trained % cfg.checkpoint.save_interval == 0:
                 from sparse_rl_mega.learner.checkpoint import save_checkpoint
@@ -709,7 +509,7 @@ class Trainer:
                     self.evaluate(trained)
 
             metrics.update(timer.metrics())
-            metrics["engine/restarts"] = float(self.engine_restarts)
+            metrics["engine/restarts"] = float(self.fleet.restarts)
             metrics["time/iteration_s"] = time.perf_counter() - started
             if self.rank == 0:
                 self.tracker.log_metrics(metrics, step=iteration)
@@ -740,11 +540,10 @@ class Trainer:
         if self.tracker is not None:
             self.tracker.finish("FINISHED" if ok else "FAILED")
             clock.mark("MLflow")
-        if self.supervisor is not None:
+        if self.fleet is not None and self.fleet.supervisor is not None:
             # an engine still starting (set-up failed) is shut down if it comes up soon; otherwise its
             # processes die with this one (they ask for SIGKILL when it ends)
-            self.supervisor.close(ENGINE_CLOSE_WAIT_S)
-            self.supervisor = None
+            self.fleet.close(ENGINE_CLOSE_WAIT_S)
             clock.mark("engine")
         if self.scorer is not None:
             self.scorer.close()
@@ -772,12 +571,6 @@ def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
     return {"advantage/mean": mean, "advantage/std": max(squares / count - mean * mean, 0.0) ** 0.5,
             "advantage/max": float(extremes[0]), "advantage/min": -float(extremes[1]),
             "advantage/zero_fraction": zeros / count}
-
-
-def _max_abs_diff(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b):
-        raise RuntimeError(f"logprob lengths differ: engine {len(a)} vs learner {len(b)}")
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:

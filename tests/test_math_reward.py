@@ -241,6 +241,32 @@ def test_math_reward_default_limit_on_a_tower():
 # ----------------------------------------------------------------------------- processes
 
 
+def test_a_killed_worker_is_replaced_and_its_items_counted(scorer):
+    """A worker SIGKILLed while busy (a tower, which runs until the limit): its running item scores 0
+    and is counted as a worker error, the rest of its chunk is checked by another worker, the pool is
+    back to full strength with a new process."""
+    import signal
+    import threading
+
+    scorer.wait_ready()
+    before_pids, before_errors = set(scorer.worker_pids), scorer.stats.worker_errors
+    good = [(f"\\boxed{{\\frac{{{k}}}{{2}}}}", f"{k / 2}") for k in range(1, 9)]
+    # chunks of 3 for 2 workers: [tower x 3], [tower, good, good], [good x 3] x 2; each worker starts on a tower
+    pairs = [(HOSTILE["power tower"], "1")] * 4 + good
+
+    def kill_a_busy_worker():
+        time.sleep(0.3)  # both workers are in a tower by now
+        os.kill(sorted(before_pids)[0], signal.SIGKILL)
+    threading.Thread(target=kill_a_busy_worker).start()
+    rewards = scorer.score([p[0] for p in pairs], [p[1] for p in pairs])
+    assert rewards == [0.0] * 4 + [1.0] * 8
+    assert scorer.stats.worker_errors - before_errors == 1 == scorer.last_stats.worker_errors
+    assert scorer.last_stats.timeouts == 3  # the other towers ran to the limit
+    assert scorer.last_stats.metrics()["reward/worker_errors"] == 1.0
+    scorer.wait_ready()
+    assert len(scorer.worker_pids) == 2 and sorted(before_pids)[0] not in scorer.worker_pids
+
+
 def test_close_leaves_no_child_processes():
     s = MathScorer(timeout_s=LIMIT, workers=2)
     s.wait_ready()

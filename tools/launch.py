@@ -131,6 +131,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     report), restarted from the newest checkpoint up to ``--max-restarts`` times."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser as torchrun_parser
     from torch.distributed.run import run as torchrun
@@ -170,6 +171,10 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
                     return 1
                 overrides.append("checkpoint.resume=auto")
         return 1
+    except (SignalException, KeyboardInterrupt) as exc:  # the agent has stopped the workers
+        name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
+        print(f"[launch] stopped by {name}; continue with --resume", file=sys.stderr, flush=True)
+        return 128 + (exc.sigval if isinstance(exc, SignalException) else 2)
     finally:
         for lock in locks:
             lock.release()

@@ -62,6 +62,7 @@ class ScorerStats:
             f"{prefix}no_answer_fraction": self.no_answer / n,
             f"{prefix}parse_failures": float(self.parse_failures + self.label_failures),
             f"{prefix}timeouts": float(self.timeouts),
+            f"{prefix}worker_errors": float(self.worker_errors),
         }
 
 

@@ -1,0 +1,263 @@
+"""Every rank's handle on the job's rollout engines: which engine this rank hosts and its supervised
+start, the weight push from the learner to every engine with its check, and recovery.
+
+Recovery: an engine call that fails raises ``EngineFailure`` on its host (``rollout/engine.py``); at
+the end of the phase every rank learns which engines failed (one collective,
+``supervisor.agree_on_failures``), the failed engines are restarted (every engine with the broadcast
+sync: they share one weight group), all ranks push them the current weights (same version; checked
+by version and dense logprobs as after every push), and the failed work is done again: a rollout
+shard with the same prompt-indexed seeds, so the batch is the one an uninterrupted run gets.
+Every method here is a collective (all ranks call it) unless it says otherwise.
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import nullcontext
+from typing import Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from sparse_rl_mega.rollout.engine import (WEIGHT_GROUP, EngineFailure, EngineStart, RolloutEngine,
+                                           keep_process_on_child_crash)
+from sparse_rl_mega.rollout.placement import engine_placements, weight_group_size
+from sparse_rl_mega.rollout.supervisor import EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures
+
+T = TypeVar("T")
+CHECK_PHASE = "weight sync (logprob check)"
+
+
+class EngineFleet:
+    def __init__(self, cfg, rank: int, faults, log=print):
+        r, p = cfg.rollout, cfg.parallel
+        self.cfg, self.rank, self.faults, self.log = cfg, rank, faults, log
+        self.placements = engine_placements(p.nnodes, p.nproc_per_node, r.num_engines,
+                                            r.engine_tensor_parallel_size, r.placement)
+        mine = [e for e in self.placements if e.host_rank == rank]
+        self.placement = mine[0] if mine else None  # the engine this rank hosts
+        # colocated engines on GPU give their memory back while the learner trains
+        self.release_memory = torch.cuda.is_available() and r.placement == "colocated"
+        self.released = False  # this host's engine gave its memory to the learner
+        self.supervisor: Optional[EngineSupervisor] = None
+        self.learner = None  # set by ready(): the weights come from its modules
+        self.restarts = 0  # engine restarts since reset by the trainer (every iteration)
+        self.groups = 0  # weight broadcast groups formed
+        self.check_ids: Optional[list[int]] = None  # checks a restarted engine's weights (ready())
+
+    @property
+    def engine(self) -> Optional[RolloutEngine]:
+        return self.supervisor.engine if self.supervisor is not None else None
+
+    # ------------------------------------------------------------------ start
+    def start(self, make_start: Callable[[str], EngineStart]) -> None:
+        """Engine hosts only: start the engine in the background (``make_start(name)``)."""
+        r = self.cfg.rollout
+        keep_process_on_child_crash()  # an engine child's crash must not end this learner rank
+        self.supervisor = EngineSupervisor(self.placement.index, make_start, max_restarts=r.max_engine_restarts,
+                                           start_timeout_s=r.startup_timeout_s, log=self.log)
+        self.supervisor.start()
+
+    def ready(self, learner, check_ids: Optional[list[int]]) -> Optional[float]:
+        """Wait for this host's engine and form the weight group; ``check_ids`` (rank 0's, shared with
+        all): the sequence that checks a restarted engine. Returns the engine's start seconds (hosts)."""
+        self.learner = learner
+        seconds = None
+        if self.supervisor is not None and self.supervisor.starting is not None:
+            self.supervisor.ready()
+            seconds = self.supervisor.start_seconds
+        shared = [check_ids]
+        dist.broadcast_object_list(shared, src=0)
+        self.check_ids = shared[0]
+        self.form_weight_group()
+        return seconds
+
+    def form_weight_group(self) -> None:
+        """With the broadcast sync: rank 0 and every engine join one weight group (again after engines
+        restart, under a new name)."""
+        from sparse_rl_mega.ports import free_port
+
+        cfg = self.cfg
+        if cfg.trainer.sync_method != "broadcast":
+            return
+        self.groups += 1
+        name = WEIGHT_GROUP if self.groups == 1 else f"{WEIGHT_GROUP}_{self.groups}"
+        address = [None]
+        if self.rank == 0:  # rank 0 hosts the group's store: the launcher's master address reaches it
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1") if cfg.parallel.nnodes > 1 else "127.0.0.1"
+            address = [(host, free_port())]
+        dist.broadcast_object_list(address, src=0)
+        host, port = address[0]
+        # NCCL refuses two members on one GPU: a colocated engine shares rank 0's GPU, so colocated
+        # engines receive over gloo (staged through host memory); separate engines over NCCL
+        backend = "nccl" if torch.cuda.is_available() and cfg.rollout.placement == "separate" else "gloo"
+        size = weight_group_size(self.placements)
+        if self.rank == 0:
+            self.engine.connect_weight_group(host, port, backend=backend, world_size=size, group_name=name)
+        elif self.placement is not None:
+            self.engine.join_weight_group(host, port, self.placement.rank_offset, size, backend=backend,
+                                          group_name=name)
+        self.log(f"[setup] weight broadcast group of {size} members joined ({backend}, {host}:{port})")
+
+    # ------------------------------------------------------------------ work on the engines
+    def sample(self, work: Callable[[RolloutEngine], T], version: int) -> Optional[T]:
+        """Hosts: ``work(engine)`` (their rollout shard), then a colocated GPU engine releases its memory
+        for the learner's training. A failed engine is restarted with weights ``version`` and runs
+        ``work`` again; the others keep their result. Returns this host's result (None elsewhere)."""
+        result, done = None, False
+        while True:
+            failure = None
+            if self.placement is not None:
+                try:
+                    if not done:
+                        result, done = work(self.engine), True
+                    if self.release_memory and not self.released:
+                        self.engine.release_memory()
+                        self.released = True
+                except EngineFailure as exc:
+                    failure = exc
+            failed = agree_on_failures(failure, self.placement.index if self.placement else None)
+            if not failed:
+                return result
+            self.recover(failed, version)
+
+    def push_weights(self, probe_ids: Optional[list[int]], version: int, timer=None,
+                     check_before: bool = True) -> dict[str, float]:
+        """Push the learner's shards to every engine as HF tensors, streamed layer by layer into buckets
+        (every rank takes part: the pieces travel to rank 0, which pushes them to its engine in-process
+        or broadcasts them to all engines), as weight ``version``. With ``probe_ids`` every engine's
+        dense logprobs of that sequence are compared with the learner's after the push (and, with
+        ``check_before``, before it). ``timer``: a PhaseTimer, the push is its ``sync`` phase. An
+        engine that fails meanwhile is restarted and given the weights."""
+        metrics, failure = self._push_once(probe_ids, version, timer, check_before)
+        failed = agree_on_failures(failure, self.placement.index if self.placement else None)
+        if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
+            before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
+            return {**self.recover(failed, version, probe_ids), **before}
+        return metrics
+
+    def _push_once(self, probe_ids, version: int, timer, check_before: bool):
+        """One push: ``(metrics, this host's EngineFailure or None)``. A host whose engine fails goes on
+        streaming its pieces, so that every rank's collectives stay matched."""
+        from sparse_rl_mega.learner.weights import buckets, stream_hf_tensors
+
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
+        failure: Optional[EngineFailure] = None
+        check = probe_ids is not None
+        learner_logp = self.learner_logprobs(probe_ids) if check else None  # every rank takes part
+        host = self.engine is not None
+        before = None
+        try:
+            if host and self.released:  # a colocated GPU engine takes its memory back first
+                self.engine.resume_memory()
+                self.released = False
+            # (released weights come back undefined until the push: nothing to compare before it)
+            if check and check_before and host and not self.release_memory:
+                before = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase=CHECK_PHASE), learner_logp)
+        except EngineFailure as exc:
+            failure = exc
+        if check and check_before and not self.release_memory:
+            metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(before)
+        with timer.phase("sync") if timer is not None else nullcontext():
+            dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+            bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
+            # engine hosts other than rank 0 plan the same buckets from the tensors' shapes and receive them
+            stream = stream_hf_tensors(self.learner.modules, cfg.model.arch, specs_elsewhere=host)
+            sent: list[int] = []  # bytes of each tensor pushed, for the metrics
+
+            def counted(named):
+                for name, tensor in named:
+                    sent.append(tensor.numel() * dtype.itemsize)
+                    yield name, tensor
+            parts = buckets(counted(stream) if self.rank == 0 else stream, bucket_bytes, dtype) if host else stream
+            self.faults.at("push", version - 1)
+            try:
+                if self.rank == 0 and failure is None:
+                    push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
+                        else self.engine.update_weights
+                    push(parts, version)
+                elif host and failure is None:
+                    self.engine.receive_weights_broadcast(parts, version)
+                if host and failure is None:
+                    served = self.engine.served_weight_version()
+                    if served != str(version):
+                        raise RuntimeError(f"after the weight sync engine {self.placement.index} serves version "
+                                           f"{served}, expected {version}")
+            except EngineFailure as exc:
+                failure = exc
+            for _ in parts:  # this rank's remaining pieces (all of them off the engine hosts) still travel
+                pass
+            if self.rank == 0:
+                metrics["sync/bytes"] = float(sum(sent))
+                metrics["sync/tensors"] = float(len(sent))
+            metrics["sync/weight_version"] = float(version)
+        if check:
+            after = None
+            try:
+                if host and failure is None:
+                    after = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase=CHECK_PHASE), learner_logp)
+                    self.engine.flush_cache()  # the probe's prefix must not serve the next rollout
+            except EngineFailure as exc:
+                failure = exc
+            metrics["sync/max_abs_logprob_diff"] = self.max_over_engines(after)
+        return metrics, failure
+
+    def recover(self, failed: list, version: int, probe_ids: Optional[list[int]] = None) -> dict[str, float]:
+        """Restart the engines in ``failed`` (every engine with the broadcast sync) and push them weights
+        ``version``, checked on ``probe_ids`` (default: the first training prompt). Past
+        ``rollout.max_engine_restarts`` every rank raises :class:`EnginesGaveUp` naming engine and phase."""
+        broadcast = self.cfg.trainer.sync_method == "broadcast"
+        for f in failed:
+            self.log(f"[engine] {f.line()}; restarting {'every engine (one weight group)' if broadcast else 'it'}")
+        self.restarts += len(failed)
+        started = time.perf_counter()
+        error = None
+        if self.placement is not None and (broadcast or self.placement.index in {f.index for f in failed}):
+            why = next((f.line() for f in failed if f.index == self.placement.index), "another engine failed")
+            try:
+                self.supervisor.restart(why)
+                self.released = False
+            except Exception as exc:  # noqa: BLE001 (every rank stops below, with this line)
+                error = str(exc) if isinstance(exc, EnginesGaveUp) else \
+                    f"engine {self.placement.index}: restart failed: {exc}"
+        errors = agree_on_errors(error)
+        if errors:
+            raise EnginesGaveUp(errors[0])
+        self.form_weight_group()
+        metrics = self.push_weights(probe_ids or self.check_ids, version, check_before=False)
+        which = "every engine" if broadcast else ", ".join(f"engine {f.index}" for f in failed)
+        self.log(f"[engine] {which} restarted and given weights version {version} in "
+                 f"{time.perf_counter() - started:.1f} s (logprob difference from the learner "
+                 f"{metrics.get('sync/max_abs_logprob_diff', float('nan')):.1e})")
+        return metrics
+
+    # ------------------------------------------------------------------ helpers
+    def max_over_engines(self, value: Optional[float]) -> float:
+        """The largest of the engine hosts' values; NaN when no engine gave one."""
+        values: list = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return max((v for v in values if v is not None), default=float("nan"))
+
+    def learner_logprobs(self, probe_ids: list[int]) -> list[float]:
+        """The learner's dense logprobs of ``probe_ids[1:]``."""
+        from sparse_rl_mega.batch import RolloutBatch
+        from sparse_rl_mega.learner.step import forward_logprobs
+
+        ids = torch.tensor([probe_ids])
+        one = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(1, ids.shape[1] - 1),
+                           logp_sparse=torch.zeros(1, ids.shape[1] - 1), rewards=torch.zeros(1),
+                           group_ids=torch.zeros(1, dtype=torch.long))
+        return forward_logprobs(self.learner.chunks, one, 1)[0].tolist()
+
+    def close(self, wait_s: float) -> None:
+        """This rank only: shut its engine down (one still starting is waited for up to ``wait_s``)."""
+        if self.supervisor is not None:
+            self.supervisor.close(wait_s)
+            self.supervisor = None
+
+
+def _max_abs_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        raise RuntimeError(f"logprob lengths differ: engine {len(a)} vs learner {len(b)}")
+    return max(abs(x - y) for x, y in zip(a, b))

@@ -27,6 +27,10 @@ KNOWN_HARMLESS = (
                                         "torch.distributed.checkpoint.load; same function", "FutureWarning"),
     ("Please use DTensor instead and we are deprecating ShardedTensor",
      "Megatron-Core's checkpoints are ShardedTensor-based in the pinned version", "FutureWarning"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "Megatron-Core's TP / CP layers call the old "
+                                                                 "name of the same collective", "FutureWarning"),
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", "Megatron-Core's TP / CP layers call the old "
+                                                                "name of the same collective", "FutureWarning"),
 )
 
 

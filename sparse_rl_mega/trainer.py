@@ -597,6 +597,9 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     except Exception as exc:  # noqa: BLE001 (FolderLocked: one line)
         print_error(f"[error] rank {rank}: {exc}")
         raise SystemExit(1) from None
+    # Megatron's TP layers order their async gradient all-reduce after the matmul only with one CUDA
+    # work queue (it warns otherwise; Megatron-LM's scripts export it); the engine does not inherit it
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     on_cpu = apply_if_cpu()
     torch.set_num_threads(cfg.trainer.torch_threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))

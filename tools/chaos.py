@@ -135,7 +135,7 @@ def metrics_by_iteration(run_dir: Path) -> dict[int, dict[str, float]]:
     runs = client.search_runs([e.experiment_id for e in experiments], order_by=["attributes.start_time ASC"])
     for run in runs:
         for key in run.data.metrics:
-            if key.startswith(NOT_COMPARED) or key.startswith("eval/"):
+            if key.startswith(NOT_COMPARED):
                 continue
             for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp):
                 out.setdefault(m.step, {})[key] = m.value

@@ -2,19 +2,21 @@
 """Launch a Sparse-RL run from a YAML config.
 
   torchrun --nproc-per-node N tools/launch.py CONFIG      train (N = parallel.nproc_per_node)
-  python tools/launch.py CONFIG                          single node: starts torchrun itself
+  python tools/launch.py CONFIG [--max-restarts N]       single node: runs torchrun's agent itself
   python tools/launch.py CONFIG --dry-run                validate and print the parallel layout
   python tools/launch.py CONFIG --plan [--gpu-memory-gb 80] [--prompt-tokens 512]
                                                          validate, print the layout and per-GPU memory
 
 The config, its data files and the model folder are checked before any process starts; a problem is
-reported as one line naming the key (file, row) and what was expected, with exit status 2. A failure
-of the job is one line per failed rank (tracebacks: <run_dir>/logs/rank<R>.log) and one from the
-launcher; with --max-restarts N the launcher starts a failed job again from its newest complete
-checkpoint, up to N times. Every process of the job ends when the launcher does, however it ends; the
-run folder is locked while the job runs. --plan starts nothing either (no process,
-no GPU): it prints the learner's and the engine's memory per GPU (sparse_rl_mega/planner.py) and
-exits 0 when everything fits, 3 when something does not.
+reported naming the key (file, rows) and what was expected, with exit status 2. --plan starts
+nothing either (no process, no GPU): it prints the learner's and the engine's memory per GPU
+(sparse_rl_mega/planner.py) and exits 0 when everything fits, 3 when something does not.
+
+A failed job prints one line per failed rank (tracebacks: <run_dir>/logs/rank<R>.log) and one from
+the launcher (exit status 1); with --max-restarts N the launcher starts it again from its newest
+complete checkpoint, up to N times. A crashed or hung rollout engine is restarted inside the job
+(rollout.engine_timeout_s, rollout.max_engine_restarts). Every process of the job ends when the
+launcher ends, however it ends; the run folder is locked while the job runs (docs/reliability.md).
 """
 from __future__ import annotations
 

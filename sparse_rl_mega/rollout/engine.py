@@ -74,7 +74,25 @@ WEIGHT_GROUP = "sparse_rl_mega_weights"
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                 "GROUP_WORLD_SIZE", "ROLE_NAME")
+                 "GROUP_WORLD_SIZE", "ROLE_NAME",
+                 "CUDA_DEVICE_MAX_CONNECTIONS")  # the learner's setting (run_training), not the engine's
+
+
+@contextmanager
+def _own_event_loop():
+    """A new event loop, current on this thread while SGLang's Engine is built (the Engine keeps the
+    thread's current loop): engines built on one thread would otherwise share one loop, and closing one
+    engine's loop at its shutdown would break the next."""
+    policy = asyncio.get_event_loop_policy()
+    try:
+        previous = policy.get_event_loop()
+    except RuntimeError:  # none on this (non-main) thread
+        previous = None
+    policy.set_event_loop(policy.new_event_loop())
+    try:
+        yield
+    finally:
+        policy.set_event_loop(previous)
 
 
 @contextmanager
@@ -217,8 +235,9 @@ class RolloutEngine:
             kwargs["max_running_requests"] = max_running_requests
         self.kv = kv
         self.model_path = model_path
-        with _without_launcher_env():
-            self.engine = sgl.Engine(**kwargs)
+        engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
+        with _without_launcher_env(), _own_event_loop():
+            self.engine = engine_class(**kwargs)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size
         self.name, self.timeout_s = name, timeout_s

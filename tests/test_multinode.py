@@ -10,6 +10,8 @@ both engines over one group.
 
 The first rollout of a run depends only on the initial weights and the seeds, which follow the
 prompt, not the engine: it equals the single-engine run's (the shared ``e2e_run``, same settings).
+In the colocated case engine 0's scheduler is killed in iteration 2: both engines restart (they share
+the weight group) and the run completes.
 """
 import os
 import signal
@@ -26,14 +28,14 @@ from tools.launch import free_port
 ITERATIONS = 2
 
 
-def _two_nodes(config, overrides, timeout=600):
+def _two_nodes(config, overrides, timeout=600, env=None):
     port = free_port()
     procs = []
     for node in range(2):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
                    str(ROOT / "tools" / "launch.py"), str(config), *[f"--set={o}" for o in overrides]]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
     outputs = []
     for proc in procs:
@@ -63,12 +65,21 @@ def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
     overrides = ["parallel.nnodes=2", "parallel.nproc_per_node=1", *learner, "rollout.num_engines=2",
                  f"rollout.placement={placement}", "trainer.sync_method=broadcast", f"trainer.iterations={ITERATIONS}",
                  "checkpoint.save_interval=0"]
-    outputs = _two_nodes(config, overrides)
+    # colocated: engine 0's scheduler is killed as iteration 2's rollout starts; with the broadcast sync both
+    # engines restart, join a new weight group and get the weights of iteration 1, engine 0 samples again
+    env = {"SPARSE_RL_MEGA_FAULT": "kill-engine@rollout:2"} if placement == "colocated" else None
+    outputs = _two_nodes(config, overrides, env=env)
     for code, out, err in outputs:
         assert code == 0, out[-3000:] + err[-5000:]
     head_out = outputs[0][1] + outputs[1][1]
     assert f"[iter {ITERATIONS}/{ITERATIONS}]" in head_out
     assert "weight broadcast group of 3 members" in head_out
+    if placement == "colocated":
+        assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in head_out
+        assert "restarting every engine (one weight group)" in head_out
+        assert "[engine] every engine restarted and given weights version 1" in head_out
+        assert head_out.count("weight broadcast group of 3 members") == 2
+        assert _history(run_dir, "engine/restarts") == {0: 0.0, 1: 1.0}
 
     assert _history(run_dir, "rollout/engines") == {0: 2.0, 1: 2.0}
     # after every push both engines serve the learner's weights (the largest difference of the two)

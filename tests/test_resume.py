@@ -1,7 +1,7 @@
 """Stop and resume: a run resumed from the checkpoint of iteration 2 computes the same iteration 3 as
 the uninterrupted 3-iteration run (the shared ``e2e_run``): on the same layout (PP=2) bit for bit, even
-with its engine's scheduler killed as the rollout starts and stopped (hung) as the weight push starts
-(both restarts are logged, the lost shard is sampled again: sparse_rl_mega/rollout/supervisor.py); on
+with its engine's scheduler stopped (hung) as the weight push starts (the push times out, the engine
+is restarted and given the weights: sparse_rl_mega/rollout/fleet.py); on
 another one (TP=2 x CP=2, PP=1, 4 processes: each rank holds half the heads and two quarters of every
 sequence; weights pushed by broadcast over a gloo group instead of in-process tensors) and as an
 interleaved pipeline (PP=2 with 2 virtual stages: each rank holds layers {0, 2} or {1, 3}) to float32
@@ -74,9 +74,9 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     if layout == "pp2-vpp2":  # model chunks through checkpoint load, schedule, reference model and weight push
         overrides += ["--set=parallel.virtual_pipeline_model_parallel_size=2"]
     env = None
-    if layout == "same-pp2":  # engine failures on the way, which the iteration must not show: the scheduler is
-        # killed as the rollout starts, then stopped (hung) as the weight push starts
-        env = {"SPARSE_RL_MEGA_FAULT": "kill-engine@rollout:3,stop-engine@push:3"}
+    if layout == "same-pp2":  # an engine failure on the way, which the iteration must not show: the scheduler is
+        # stopped (hung) as the weight push starts (a killed one: tests/test_multinode.py)
+        env = {"SPARSE_RL_MEGA_FAULT": "stop-engine@push:3"}
         overrides.append("--set=rollout.engine_timeout_s=4")
     resumed = run_launch(config, *overrides, timeout=600, env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
@@ -98,13 +98,11 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     # logprobs after the sync
     assert got["rollout/weight_version"] == expected["rollout/weight_version"] == 2
     assert got["sync/max_abs_logprob_diff"] < 1e-4
-    if layout == "same-pp2":  # same layout, same summation order: bit for bit, despite two engine restarts
-        assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in resumed.stdout
-        assert "killed by signal 9" in resumed.stdout
+    if layout == "same-pp2":  # same layout, same summation order: bit for bit, despite the engine restart
         assert "[engine] engine 0 (on rank 0) failed in weight push: no answer for" in resumed.stdout
         assert "rollout.engine_timeout_s=4); its scheduler" in resumed.stdout and "is stopped" in resumed.stdout
-        assert resumed.stdout.count("restarted and given weights version") == 2
-        assert _metrics_at(run_dir, 2, ["engine/restarts"]) == {"engine/restarts": 2.0}
+        assert resumed.stdout.count("restarted and given weights version 3") == 1
+        assert _metrics_at(run_dir, 2, ["engine/restarts"]) == {"engine/restarts": 1.0}
         assert got == expected
         return
     # the learner's numbers agree to float32 summation order (a different layout sums differently)

@@ -4,11 +4,12 @@ the processes start once for all of them). Rank 0 saves one result per job name.
 
     torchrun --nproc-per-node W tests/helpers/grad_check.py OUT.pt JOBS_JSON
 
-JOBS_JSON: a list of ``{"name", "kind", "model", "tp", "pp", "mbs", "parallel"}``; ``parallel`` holds
-more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"context_parallel_size": 2}``.
+JOBS_JSON: a list of ``{"name", "kind", "model", "tp", "pp", "mbs", "parallel", "dtypes"}``; ``parallel``
+holds more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"context_parallel_size": 2}``;
+``dtypes``: the learner's dtypes to differentiate in (float32 and/or float64).
 
 kind "gradient": the full corrected loss's gradient of the fixed global batch of grad_batch.py (every
-correction active), in float32 and float64, for the three loss aggregations, gathered in HF names;
+correction active), in the job's dtypes, for the three loss aggregations, gathered in HF names;
 also how often the layers and their core attention ran forward in the training pass against the
 no-grad pass (activation recomputation runs them twice).
 
@@ -74,7 +75,7 @@ def _world_sum(calls: dict) -> dict:
     return dict(zip(sorted(calls), values.tolist()))
 
 
-def gradient_job(cfg, model_dir) -> dict:
+def gradient_job(cfg, model_dir, job_dtypes=("float32", "float64")) -> dict:
     from megatron.core import parallel_state as ps
 
     from sparse_rl_mega.learner.model import build_learner
@@ -82,7 +83,8 @@ def gradient_job(cfg, model_dir) -> dict:
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_learner
 
     results = {}
-    for dtype_name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
+    for dtype_name in job_dtypes:
+        dtype = getattr(torch, dtype_name)
         cfg.model.dtype = dtype_name  # float64: rounding out of the way, the algorithm must agree exactly
         learner = build_learner(cfg)
         load_hf_into_learner(learner, model_dir, cfg.model.arch)
@@ -173,8 +175,10 @@ def main() -> None:
         set_layout(job["tp"], job["pp"], parallel.get("virtual_pipeline_model_parallel_size", 1),
                    parallel.get("context_parallel_size", 1))
         cfg = run_config(job["model"], job["tp"], job["pp"], GROUP, N, job["mbs"], dict(ALGORITHM), parallel)
-        run = gradient_job if job["kind"] == "gradient" else optimizer_job
-        results[job["name"]] = run(cfg, job["model"])
+        if job["kind"] == "gradient":
+            results[job["name"]] = gradient_job(cfg, job["model"], job.get("dtypes", ("float32", "float64")))
+        else:
+            results[job["name"]] = optimizer_job(cfg, job["model"])
     if dist.get_rank() == 0:
         torch.save(results, out_path)
     dist.barrier()

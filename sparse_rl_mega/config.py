@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -660,6 +661,16 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              "needs parallel.use_distributed_optimizer: true (only Megatron's distributed optimizer writes its "
              "fp32 master weights back into FP8 parameters)")
     _check_against_hf_config(cfg, source)
+
+
+def load_config_or_exit(path: str | Path, overrides: Optional[list[str]] = None) -> RunConfig:
+    """:func:`load_config` for the command-line tools: a problem is printed as one ``config error:``
+    line and the tool exits with status 2."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def missing_inputs(cfg: RunConfig) -> list[str]:

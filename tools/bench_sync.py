@@ -127,14 +127,10 @@ def main(argv=None) -> int:
     if "LOCAL_RANK" in os.environ:
         bench(args)
         return 0
-    from sparse_rl_mega.config import ConfigError, load_config
+    from sparse_rl_mega.config import load_config_or_exit
     from sparse_rl_mega.ports import free_port
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
                *sys.argv[1:]]

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sparse_rl_mega.config import ConfigError, load_config  # noqa: E402
+from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
 from sparse_rl_mega.faults import FAULT_ENV, Fault  # noqa: E402
 
 TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher"]
@@ -170,11 +170,7 @@ def main(argv=None) -> int:
 
     quiet_known_warnings()
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     out = (args.out or ROOT / "runs" / "chaos" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     iterations = cfg.trainer.iterations

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sparse_rl_mega.config import ConfigError, RunConfig, load_config, missing_inputs  # noqa: E402
+from sparse_rl_mega.config import RunConfig, load_config_or_exit, missing_inputs  # noqa: E402
 from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # LAUNCHED_AT, from this process to its torchrun workers
@@ -192,11 +192,7 @@ def main(argv=None) -> int:
 
         die_with_parent()  # no learner rank outlives its launcher or torchrun agent
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     if args.dry_run:
         print(describe_layout(cfg))
         print("config OK (dry run: nothing started)")

@@ -55,7 +55,7 @@ class EngineFleet:
         r = self.cfg.rollout
         keep_process_on_child_crash()  # an engine child's crash must not end this learner rank
         self.supervisor = EngineSupervisor(self.placement.index, make_start, max_restarts=r.max_engine_restarts,
-                                           start_timeout_s=r.startup_timeout_s, log=self.log)
+                                           start_timeout_s=r.startup_timeout_s)
         self.supervisor.start()
 
     def ready(self, learner, check_ids: Optional[list[int]]) -> Optional[float]:

@@ -10,8 +10,8 @@ silent for ``rollout.engine_timeout_s``). Here:
 * :func:`agree_on_failures`: every rank learns which engines failed in a phase (a collective), so all
   ranks retry the phase together and the collectives of the learner stay matched.
 
-The trainer's part (push the current weights to a restarted engine, sample the lost shard again) is
-in ``Trainer.recover_engines``.
+Pushing the current weights to a restarted engine and sampling its lost shard again:
+``rollout/fleet.py`` (``EngineFleet.recover``).
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ class EngineSupervisor:
     :class:`~sparse_rl_mega.rollout.engine.EngineStart` for an engine called ``name``."""
 
     def __init__(self, index: int, make_start: Callable[[str], EngineStart], *, max_restarts: int,
-                 start_timeout_s: float, log=print):
+                 start_timeout_s: float):
         self.index, self.name = index, f"engine {index}"
-        self.make_start, self.max_restarts, self.start_timeout_s, self.log = make_start, max_restarts, start_timeout_s, log
+        self.make_start, self.max_restarts, self.start_timeout_s = make_start, max_restarts, start_timeout_s
         self.restarts = 0  # in this job
         self.engine: Optional[RolloutEngine] = None
         self.starting: Optional[EngineStart] = None

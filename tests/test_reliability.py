@@ -29,16 +29,17 @@ def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_p
 
 
 def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_model_dir, tmp_path):
-    """SIGKILL of ``tools/launch.py`` while its job runs (injected as the first rollout starts): every
-    process of the job (learner ranks, SGLang scheduler and detokenizer) is gone within seconds. While
-    it ran, a second job on the same run folder stopped at once, naming the first one's host and pid."""
+    """SIGKILL of ``tools/launch.py`` while its job runs (injected as the second rollout starts, after a
+    checkpoint was saved): every process of the job (learner ranks, SGLang scheduler and detokenizer,
+    the checkpoint writer's queue manager) is gone within seconds. While it ran, a second job on the
+    same run folder stopped at once, naming the first one's host and pid."""
     run_dir = tmp_path / "run"
     config = write_test_config(tmp_path / "job.yaml", tiny_model_dir, run_dir)
     log = open(tmp_path / "job.log", "w")
     # 50 iterations: orphans, if any, would still be training when they are looked for
     job = subprocess.Popen([sys.executable, ROOT / "tools" / "launch.py", config, "--set=trainer.iterations=50"],
                            cwd=ROOT, stdout=log,
-                           stderr=subprocess.STDOUT, env={**os.environ, "SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:1"})
+                           stderr=subprocess.STDOUT, env={**os.environ, "SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:2"})
     seen: set[int] = set()
     try:
         lock = run_dir / ".lock"
@@ -57,7 +58,7 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
                 break
             time.sleep(0.2)
         assert job.wait(timeout=5) == -9, (tmp_path / "job.log").read_text()[-3000:]
-        assert len(seen) >= 4, seen  # two learner ranks, the engine's scheduler and detokenizer at least
+        assert len(seen) >= 6, seen  # two learner ranks, scheduler, detokenizer, a writer queue manager per rank
 
         def alive():
             out = []
@@ -72,7 +73,7 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
         while alive() and time.time() < deadline:
             time.sleep(0.2)
         assert not alive(), [(p, psutil.Process(p).cmdline()[:3]) for p in alive()]
-        assert "[iter 1/50]" not in (tmp_path / "job.log").read_text()  # nothing trained on without it
+        assert "[iter 2/50]" not in (tmp_path / "job.log").read_text()  # nothing trained on without it
     finally:
         for pid in [job.pid, *seen]:
             try:

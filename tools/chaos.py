@@ -10,8 +10,10 @@ during the rollout, the training, the weight push or the checkpoint save of a ra
 (``sparse_rl_mega/faults.py`` fires it inside the job at that point). The job recovers by itself
 (engine restart, or the launcher's ``--max-restarts``); a killed launcher takes its whole job with it
 (nothing may be left running), and the tool then starts it again with ``--resume``, as a person or a
-cluster scheduler would. Each trial's final checkpoint (weights, optimizer state) and its per-iteration
-metrics (MLflow; the last value logged per iteration) must equal the uninterrupted run's. Not compared:
+cluster scheduler would. No process of a trial's job may be left 15 s after it ended (found by an
+environment variable that every process of the job inherits). Each trial's final checkpoint (weights,
+optimizer state) and its per-iteration metrics (MLflow; the last value logged per iteration) must
+equal the uninterrupted run's. Not compared:
 ``time/*``, ``engine/restarts`` and ``sync/pre_sync_*`` (the engine before a push: a restarted engine
 holds the initial weights there).
 
@@ -80,20 +82,35 @@ def launch(config: str, run_dir: Path, overrides: list[str], env: dict, extra: l
         return subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
+TRIAL_ENV = "SPARSE_RL_MEGA_CHAOS_RUN"  # marks every process a trial's job starts (inherited by all)
+
+
 def processes_of(run_dir: Path) -> list[int]:
-    """Pids of processes still running for the job writing ``run_dir`` (its launcher and learner ranks
-    name it on their command line; engine and reward processes are their children)."""
+    """Pids of live processes started for the trial writing ``run_dir``, found by the variable
+    :data:`TRIAL_ENV` that every process of its job inherits (orphans included)."""
     import psutil
 
-    found = set()
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    found = []
+    for proc in psutil.process_iter(["pid"]):
         try:
-            if any(str(run_dir) in part for part in proc.info["cmdline"] or []):
-                found.add(proc.pid)
-                found.update(child.pid for child in proc.children(recursive=True))
+            if proc.environ().get(TRIAL_ENV) == str(run_dir) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return sorted(found)
+
+
+def left_behind(run_dir: Path, wait_s: float = 15.0) -> list[int]:
+    """Processes of the trial still alive ``wait_s`` after its job ended (they are killed then)."""
+    deadline = time.time() + wait_s
+    while (leftovers := processes_of(run_dir)) and time.time() < deadline:
+        time.sleep(0.5)
+    for pid in leftovers:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    return leftovers
 
 
 def final_state(run_dir: Path, iterations: int) -> dict:
@@ -191,18 +208,16 @@ def main(argv=None) -> int:
     exact = 0
     for n, fault in enumerate(faults, 1):
         run_dir = out / f"trial{n:02d}"
-        env = {**base_env, FAULT_ENV: fault.spec()}
+        env = {**base_env, FAULT_ENV: fault.spec(), TRIAL_ENV: str(run_dir)}
         trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if fault.what == "stop-engine" else [])
         started = time.time()
         done = launch(args.config, run_dir, trial_overrides, env, ["--max-restarts", "2"])
         how = "recovered in the job"
-        leftovers: list[int] = []
+        leftovers = left_behind(run_dir)  # whatever the fault, nothing of the job may outlive it
         if done.returncode != 0 and fault.what == "kill-launcher":
-            deadline = time.time() + 15
-            while (leftovers := processes_of(run_dir)) and time.time() < deadline:
-                time.sleep(0.5)
             done = launch(args.config, run_dir, trial_overrides, env, ["--resume"])
             how = "launcher killed; started again with --resume"
+            leftovers += left_behind(run_dir)
         text = (run_dir.parent / f"{run_dir.name}.log").read_text()
         if "starting it again from the newest checkpoint" in text:
             how = "job restarted by the launcher"
@@ -213,7 +228,7 @@ def main(argv=None) -> int:
         diffs = [f"job failed (status {done.returncode})"] if done.returncode != 0 else \
             compare(reference, (final_state(run_dir, iterations), metrics_by_iteration(run_dir)))
         if leftovers:
-            diffs.append(f"processes left after the launcher died: {leftovers}")
+            diffs.append(f"processes left after the job ended: {leftovers}")
         exact += not diffs
         verdict = "exact" if not diffs else "DIFFERS: " + "; ".join(diffs[:3]) + (f" (+{len(diffs) - 3})" if len(diffs) > 3 else "")
         print(f"[chaos] trial {n}/{len(faults)} {fault.spec():<28} {how}, {time.time() - started:.0f} s: {verdict}",

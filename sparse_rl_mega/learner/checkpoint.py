@@ -51,10 +51,33 @@ def _rng_state() -> dict:
     return state
 
 
+_WRITER_MANAGERS: list = []  # keeps the manager below alive (it stops when garbage-collected)
+
+
+def _writer_queue_dies_with_rank() -> None:
+    """Megatron's torch_dist writer collects results through a queue served by a multiprocessing
+    Manager process, made at the first save and kept for the process's life
+    (``filesystem_async._get_write_results_queue``). A Manager outlives a killed parent: make that
+    queue here, with a Manager that gets SIGKILL when this rank ends, however it ends."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from sparse_rl_mega.jobs import die_with_parent
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        _WRITER_MANAGERS.append(manager)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep_last: int,
                     extra: Optional[dict] = None) -> Path:
     """Save after ``iteration`` iterations (every rank calls this). ``extra`` goes into the marker."""
     from megatron.core import dist_checkpointing
+
+    _writer_queue_dies_with_rank()
 
     root = Path(ckpt_dir)
     target = root / f"iter_{iteration:07d}"

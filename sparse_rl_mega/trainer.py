@@ -85,7 +85,6 @@ class Trainer:
         self.ref_model = None
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
-        self.placement = None  # this rank's engine, when it hosts one (sparse_rl_mega/rollout/placement.py)
         self.engine_seconds: Optional[float] = None  # how long it took to come up
         self.weight_version = 0  # what the engines serve: the weights after this many iterations
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
@@ -99,6 +98,11 @@ class Trainer:
         if self.engine is None or self.placement.index != 0:
             return None
         return next(iter(self.engine.processes))
+
+    @property
+    def placement(self):
+        """The engine this rank hosts (sparse_rl_mega/rollout/placement.py), None when it hosts none."""
+        return self.fleet.placement if self.fleet is not None else None
 
     @property
     def engine(self):
@@ -188,7 +192,6 @@ class Trainer:
 
         cfg, r = self.cfg, self.cfg.rollout
         self.fleet = EngineFleet(cfg, self.rank, self.faults, log)
-        self.placement = self.fleet.placement
         on_gpu = torch.cuda.is_available()
         if self.placement is not None:
             from transformers import AutoTokenizer

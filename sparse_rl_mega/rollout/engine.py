@@ -311,13 +311,9 @@ class RolloutEngine:
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: Optional[int] = None) -> int:
         """Load HF-named tensors bucket by bucket as in-process tensors (colocated path). See
         :meth:`_finish_update` for ``version`` and the cache."""
-        self._call("weight push", self.engine.begin_weight_update)
-        try:
+        with self._weight_update():
             for bucket in buckets:
                 self._call("weight push", self.engine.update_weights_from_tensor, named_tensors=bucket, flush_cache=False)
-        finally:
-            if self.failure is None:
-                self._call("weight push", self.engine.end_weight_update)
         return self._finish_update(version)
 
     def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
@@ -362,15 +358,11 @@ class RolloutEngine:
         for the broadcast."""
         if self._weight_group is None:
             raise RuntimeError("join_weight_group() first")
-        self._call("weight push", self.engine.begin_weight_update)
-        try:
+        with self._weight_update():
             # the call thread takes requests in order: queue them all, then wait for each answer
             pending = [self._request_bucket(bucket) for bucket in bucket_specs]
             for received in pending:
                 self._check_bucket(received)
-        finally:
-            if self.failure is None:
-                self._call("weight push", self.engine.end_weight_update)
         return self._finish_update(version)
 
     def release_memory(self) -> None:
@@ -389,8 +381,7 @@ class RolloutEngine:
 
         if self._weight_group is None:
             raise RuntimeError("connect_weight_group() first")
-        self._call("weight push", self.engine.begin_weight_update)
-        try:
+        with self._weight_update():
             for bucket in buckets:
                 received = self._request_bucket(bucket)
                 try:
@@ -402,10 +393,18 @@ class RolloutEngine:
                     reason = self._health(time.time()) or f"the weight broadcast failed: {str(exc).splitlines()[0]}"
                     self._fail("weight push", reason)
                 self._check_bucket(received)
+        return self._finish_update(version)
+
+    @contextmanager
+    def _weight_update(self):
+        """A push between SGLang's ``begin_weight_update`` and ``end_weight_update`` (not ended after a
+        failure: the engine cannot answer, and is restarted)."""
+        self._call("weight push", self.engine.begin_weight_update)
+        try:
+            yield
         finally:
             if self.failure is None:
                 self._call("weight push", self.engine.end_weight_update)
-        return self._finish_update(version)
 
     def _request_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> Future:
         """Ask the engine (on the call thread) to receive one bucket over the weight group."""

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from sparse_rl_mega.rollout.engine import (WEIGHT_GROUP, EngineFailure, EngineStart, RolloutEngine,
                                            keep_process_on_child_crash)
 from sparse_rl_mega.rollout.placement import engine_placements, weight_group_size
-from sparse_rl_mega.rollout.supervisor import EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures
+from sparse_rl_mega.rollout.supervisor import (EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures,
+                                               gather_given)
 
 T = TypeVar("T")
 CHECK_PHASE = "weight sync (logprob check)"
@@ -116,7 +117,7 @@ class EngineFleet:
                         self.released = True
                 except EngineFailure as exc:
                     failure = exc
-            failed = agree_on_failures(failure, self.placement.index if self.placement else None)
+            failed = self._agree(failure)
             if not failed:
                 return result
             self.recover(failed, version)
@@ -130,7 +131,7 @@ class EngineFleet:
         ``check_before``, before it). ``timer``: a PhaseTimer, the push is its ``sync`` phase. An
         engine that fails meanwhile is restarted and given the weights."""
         metrics, failure = self._push_once(probe_ids, version, timer, check_before)
-        failed = agree_on_failures(failure, self.placement.index if self.placement else None)
+        failed = self._agree(failure)
         if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
             before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
             return {**self.recover(failed, version, probe_ids), **before}
@@ -233,11 +234,13 @@ class EngineFleet:
         return metrics
 
     # ------------------------------------------------------------------ helpers
+    def _agree(self, failure: Optional[EngineFailure]) -> list:
+        """Every rank's list of the engines that failed in this phase (this host's ``failure`` included)."""
+        return agree_on_failures(failure, self.placement.index if self.placement else None)
+
     def max_over_engines(self, value: Optional[float]) -> float:
         """The largest of the engine hosts' values; NaN when no engine gave one."""
-        values: list = [None] * dist.get_world_size()
-        dist.all_gather_object(values, value)
-        return max((v for v in values if v is not None), default=float("nan"))
+        return max(gather_given(value), default=float("nan"))
 
     def learner_logprobs(self, probe_ids: list[int]) -> list[float]:
         """The learner's dense logprobs of ``probe_ids[1:]``."""

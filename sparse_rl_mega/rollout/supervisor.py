@@ -88,18 +88,22 @@ class EngineSupervisor:
             self.engine = None
 
 
+def gather_given(value) -> list:
+    """Every rank passes a value (None: nothing to say); all get the non-None values in rank order
+    (a collective)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return [v for v in everyone if v is not None]
+
+
 def agree_on_failures(failure: Optional[EngineFailure], index: Optional[int]) -> list[FailedEngine]:
     """Every rank passes its engine's failure in the current phase (None: none, or no engine); all get
-    the list of failed engines (a collective)."""
-    mine = None if failure is None else FailedEngine(index, dist.get_rank(), failure.phase, failure.reason)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [f for f in everyone if f is not None]
+    the list of failed engines."""
+    return gather_given(None if failure is None else FailedEngine(index, dist.get_rank(), failure.phase,
+                                                                  failure.reason))
 
 
 def agree_on_errors(error: Optional[str]) -> list[str]:
-    """Every rank passes an error of its own (None: none); all get the list (a collective), so that a
-    rank's failure to recover stops every rank at the same point."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, error)
-    return [e for e in everyone if e is not None]
+    """Every rank passes an error of its own (None: none); all get the list, so that a rank's failure to
+    recover stops every rank at the same point."""
+    return gather_given(error)

@@ -22,6 +22,7 @@ class RolloutBatch:
     logp_sparse: torch.Tensor      # [N, S] float32, sampler logprobs of labels (0 off-response)
     rewards: torch.Tensor          # [N] float32
     group_ids: torch.Tensor        # [N] int64, GRPO group (prompt) of each sequence
+    weight_versions: Optional[torch.Tensor] = None  # [N] int64, weights that sampled every token of the row
     advantages: Optional[torch.Tensor] = None   # [N] float32
     logp_old: Optional[torch.Tensor] = None     # [N, S] float32, PPO anchor (dense learner, or sampler in bypass)
     logp_ref: Optional[torch.Tensor] = None     # [N, S] float32, frozen reference model (KL penalty)
@@ -72,5 +73,6 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
     return RolloutBatch(input_ids=input_ids, labels=labels, response_mask=response_mask, logp_sparse=logp_sparse,
                         rewards=torch.tensor(list(rewards), dtype=torch.float32),
                         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
+                        weight_versions=torch.tensor([int(s.weight_version or 0) for s in samples], dtype=torch.long),
                         response_texts=[s.response_text for s in samples],
                         finish_reasons=[s.finish_reason for s in samples])

@@ -30,12 +30,14 @@ def log(message: str) -> None:
 class PhaseTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) wall times: the timeline
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        self.spans.append((name, wall, time.time()))
 
     def metrics(self) -> dict[str, float]:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}
@@ -86,7 +88,8 @@ class Trainer:
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.engine_seconds: Optional[float] = None  # how long it took to come up
-        self.weight_version = 0  # what the engines serve: the weights after this many iterations
+        self.rollouts = None  # the samples of each iteration, overlapped or not (rollout/pipeline.py)
+        self.tokenizer = None  # engine hosts
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.clock = PhaseClock(launched_at)
         from sparse_rl_mega.faults import FaultInjector
@@ -168,10 +171,13 @@ class Trainer:
         self.clock.mark("MLflow")
         self.finish_engine_start()
         self.clock.mark("waiting for the engine")
+        from sparse_rl_mega.rollout.pipeline import RolloutPipeline
+
+        self.rollouts = RolloutPipeline(cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, log)
         dist.barrier()
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
-            self.weight_version = self.start_iteration
-            self.fleet.push_weights(None, self.weight_version)
+            self.fleet.push_weights(None, self.start_iteration)
+            self.rollouts.load(self.resumed_from["path"])  # the batch ahead (overlapped rollouts)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
             self.clock.mark("weights to the engine")
         engine = f"; engine up in {self.engine_seconds:.1f} s" if self.engine_seconds is not None else ""
@@ -300,7 +306,7 @@ class Trainer:
             log(f"[setup] checkpoint.resume=auto: no checkpoint under {self.checkpoint_dir()}, starting fresh")
             return
         started = time.perf_counter()
-        self.resumed_from = load_checkpoint(self.learner, path)
+        self.resumed_from = {**load_checkpoint(self.learner, path), "path": str(path)}
         self.start_iteration = int(self.resumed_from["iteration"])
         saved = self.resumed_from.get("layout", {})
         log(f"[setup] resumed from {path} (iteration {self.start_iteration}, saved at TP="
@@ -310,102 +316,6 @@ class Trainer:
             log(f"[setup] trainer.iterations={self.cfg.trainer.iterations} already reached: nothing to train")
 
     # ------------------------------------------------------------------ phases
-    def rollout(self, iteration: int, timer: PhaseTimer):
-        """Engine hosts: sample and score their shard of the iteration's prompts; everyone: the whole
-        batch in prompt order (each rank then trains on its data-parallel rows)."""
-        from sparse_rl_mega.batch import pack_samples
-        from sparse_rl_mega.reward.scorer import ScorerStats
-        from sparse_rl_mega.rollout.placement import prompt_shard
-
-        cfg = self.cfg
-
-        def my_shard(engine):
-            records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
-            shard = prompt_shard(len(records), len(self.fleet.placements), self.placement.index)
-            return self.sample_shard(engine, records, shard, iteration, timer)
-        # an engine that fails is restarted with the current weights and samples its shard again
-        mine = self.fleet.sample(my_shard, self.weight_version)
-        shards: list = [None] * dist.get_world_size()
-        dist.all_gather_object(shards, mine)
-        shards = sorted((s for s in shards if s is not None), key=lambda s: s["first_prompt"])
-        # every prompt of the iteration exactly once, each with its whole group
-        n = cfg.rollout.n_samples_per_prompt
-        covered = [sample.prompt_index for s in shards for sample in s["samples"][::n]]
-        if covered != list(range(cfg.data.prompts_per_iteration)) or \
-                any(len(s["samples"]) != n * len(s["samples"][::n]) for s in shards):
-            raise RuntimeError(f"rollout shards do not cover the {cfg.data.prompts_per_iteration} prompts once "
-                               f"each: got prompts {covered}")
-        samples = [sample for s in shards for sample in s["samples"]]
-        rewards = [reward for s in shards for reward in s["rewards"]]
-        batch = pack_samples(samples, rewards, pad_id=shards[0]["pad_id"])
-        per_sample = [c for s in shards for c in s["compression"]]
-        response_lens = [len(x.response_ids) for x in samples]
-        evicted = sum(s["kv"]["evicted_tokens"] for s in shards)
-        scored = ScorerStats()
-        for s in shards:
-            scored.add(s["scorer"])
-        metrics = {
-            "reward/mean": float(batch.rewards.mean()),
-            **scored.metrics("reward/"),
-            "rollout/engines": float(len(shards)),
-            "rollout/weight_version": float(shards[0]["weight_version"]),
-            "rollout/response_len_mean": sum(response_lens) / len(response_lens),
-            "rollout/truncated_fraction": sum(x.finish_reason == "length" for x in samples) / len(samples),
-            "kv/evicted_tokens": evicted,
-            "kv/evicted_tokens_per_sample": evicted / len(samples),
-            "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
-            "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
-            "kv/compactions": sum(s["kv"]["compactions"] for s in shards),
-            "kv/freed_slots": sum(s["kv"]["freed_slots"] for s in shards),
-            "kv/peak_slots_in_use": max(s["peak_slots_in_use"] for s in shards),  # per engine
-            "kv/pool_size": float(shards[0]["pool_size"]),
-        }
-        return batch, metrics, samples[0].response_text
-
-    def sample_shard(self, engine, records, shard: range, iteration: int, timer: PhaseTimer) -> dict:
-        """This host's ``engine`` samples prompts ``shard`` of the iteration's ``records``; scored."""
-        from sparse_rl_mega.data.formatting import encode_prompt
-
-        cfg = self.cfg
-        prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
-        with timer.phase("rollout"):
-            stats_before = engine.kv_stats()
-            # the seeds of one engine given every prompt: the same samples for any number of engines
-            samples = engine.generate(prompts_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens,
-                                      cfg.rollout.temperature, cfg.rollout.top_p,
-                                      seed=cfg.trainer.seed * 100_003 + iteration * 7919, prompt_offset=shard.start)
-            stats_after = engine.kv_stats()
-        for sample in samples:  # the iteration's prompt numbering (GRPO group ids)
-            sample.prompt_index += shard.start
-        stale = {s.weight_version for s in samples} - {str(engine.weight_version)}
-        if stale:  # a sample generated with other weights than the learner's last push
-            raise RuntimeError(f"engine {self.placement.index}: rollout samples report weight version(s) "
-                               f"{sorted(stale)}, expected {engine.weight_version}")
-        with timer.phase("reward"):
-            rewards = self.scorer.score([s.response_text for s in samples],
-                                        [records[s.prompt_index].label for s in samples])
-        return {
-            "first_prompt": shard.start, "samples": samples, "rewards": rewards, "scorer": self.scorer.last_stats,
-            "pad_id": self.tokenizer.pad_token_id or 0, "weight_version": engine.weight_version,
-            "compression": self.per_sample_compression(samples),
-            "kv": {key: float(stats_after.get(key, 0) - stats_before.get(key, 0))
-                   for key in ("evicted_tokens", "compactions", "freed_slots")},
-            "peak_slots_in_use": float(stats_after.get("peak_slots_in_use", 0)),
-            "pool_size": float(stats_after.get("pool_size", 0)),
-        }
-
-    def per_sample_compression(self, samples) -> list[tuple[int, int]]:
-        """``(compressions, evicted tokens)`` of each sample, replayed from its lengths."""
-        from sparse_rl_mega.kv.policies import POLICIES, compression_schedule
-
-        kv = self.cfg.rollout.kv_compression
-        if kv.policy == "none":
-            return [(0, 0)] * len(samples)
-        needed = kv.window if POLICIES[kv.policy].waits_for_window() else 0
-        newlines = set(self.engine.kv.newline_token_ids)
-        return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
-                                     [t in newlines for t in s.response_ids]) for s in samples]
-
     def check_data_parallel_split(self, batch, local) -> int:
         """Every GRPO group of the batch is trained by exactly one data-parallel rank, whole; returns
         this rank's number of groups (a collective over the DP group)."""
@@ -446,7 +356,10 @@ class Trainer:
             started = time.perf_counter()
             self.fleet.restarts = 0
             self.faults.at("rollout", iteration)
-            batch, metrics, example = self.rollout(iteration, timer)
+            sampled = self.rollouts.take(iteration, timer)
+            # max_staleness >= 1: the engines now generate the next iteration's samples while this one trains
+            self.rollouts.start_ahead(iteration + 1, timer)
+            batch, metrics, example = sampled.batch, dict(sampled.metrics), sampled.example
             self.faults.at("train", iteration)
             if not algo.advantage_after_rejection:
                 batch.advantages = grpo_advantages(batch.rewards, group_size, algo.advantage_std_normalize)
@@ -472,12 +385,15 @@ class Trainer:
                     part.advantages = grpo_advantages(part.rewards, group_size, algo.advantage_std_normalize,
                                                       valid=part.loss_mask.sum(dim=1) > 0)
                 step_metrics.update(advantage_metrics(part.advantages, self.dp_group))
+                if cfg.rollout.max_staleness:
+                    step_metrics.update(metrics_by_staleness(part, iteration, cfg.rollout.max_staleness, correction,
+                                                             self.dp_group))
                 with timer.phase("train"):
                     step_metrics.update(train_step(self.learner, part, algo, mbs))
                 self.count_skipped_step(step_metrics, iteration, step)
                 per_step.append(step_metrics)
-            for key in per_step[0]:
-                values = [m[key] for m in per_step]
+            for key in dict.fromkeys(key for m in per_step for key in m):  # (by staleness: where present)
+                values = [m[key] for m in per_step if key in m]
                 if key == "train/skipped_steps":
                     metrics[key] = sum(values)
                 elif key.endswith("max"):
@@ -493,21 +409,27 @@ class Trainer:
                 length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
                 probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
             trained = iteration + 1
-            self.weight_version = trained
-            self.faults.at("sync", iteration)
-            metrics.update(self.fleet.push_weights(probe, self.weight_version, timer))
+            checkpoint_due = bool(cfg.checkpoint.save_interval) and trained % cfg.checkpoint.save_interval == 0
+            eval_due = cfg.eval.path is not None and (
+                (cfg.eval.interval and trained % cfg.eval.interval == 0) or trained == cfg.trainer.iterations)
+            # engines take weights only when idle: a push waits for the batch in flight (overlapped rollouts)
+            if checkpoint_due or eval_due or trained == cfg.trainer.iterations or \
+                    self.rollouts.push_due(trained, self.fleet.version):
+                self.rollouts.collect(trained, timer)
+                self.faults.at("sync", iteration)
+                metrics.update(self.fleet.push_weights(probe, trained, timer))
 
-            if cfg.checkpoint.save_interval and trained % cfg.checkpoint.save_interval == 0:
+            if checkpoint_due:
                 from sparse_rl_mega.learner.checkpoint import save_checkpoint
 
                 self.faults.at("checkpoint", iteration)
                 with timer.phase("checkpoint"):
                     extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
                              "initial_model": cfg.model.path, "config": cfg.to_dict()}
-                    save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra)
+                    save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
+                                    rank0_extra=self.rollouts.save)
 
-            if evaluating and ((cfg.eval.interval and trained % cfg.eval.interval == 0)
-                               or trained == cfg.trainer.iterations):
+            if evaluating and eval_due:
                 with timer.phase("eval"):
                     self.evaluate(trained)
 
@@ -516,11 +438,23 @@ class Trainer:
             metrics["time/iteration_s"] = time.perf_counter() - started
             if self.rank == 0:
                 self.tracker.log_metrics(metrics, step=iteration)
+                self.write_timeline(iteration, timer)
                 log(_progress_line(iteration, cfg.trainer.iterations, metrics))
                 log(f"           example response: {example[:100]!r}")
         if evaluating and len(self.eval_history) > 1:
             log(self.eval_summary())
         log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
+
+    def write_timeline(self, iteration: int, timer: PhaseTimer) -> None:
+        """Rank 0: one line of ``<run_dir>/timeline.jsonl`` per iteration: the wall-clock spans of the
+        learner's phases and of the engines' generations gathered during it (which overlap with
+        ``rollout.max_staleness`` >= 1)."""
+        row = {"iteration": iteration, "learner": [list(span) for span in timer.spans],
+               "engines": [{"batch": it, "engine": e, "start": start, "end": end}
+                           for it, e, start, end in self.rollouts.drain_timeline()]}
+        path = Path(self.cfg.trainer.run_dir) / "timeline.jsonl"
+        with path.open("a") as out:
+            out.write(json.dumps(row) + "\n")
 
     def count_skipped_step(self, step_metrics: dict[str, float], iteration: int, step: int) -> None:
         """Count an optimizer step that ``train_step`` skipped (NaN/Inf loss or gradient norm); stop the
@@ -576,13 +510,37 @@ def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
             "advantage/zero_fraction": zeros / count}
 
 
+def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, group) -> dict[str, float]:
+    """The mismatch and rejection figures of the rows trained at ``iteration`` with each staleness
+    0..``max_staleness`` (learner version - the version that sampled the row) present in the global
+    batch (``part``: this DP rank's rows of it), e.g. ``mismatch/k3_staleness1``."""
+    from sparse_rl_mega.algo.correction import compute_correction
+
+    staleness = iteration - part.weight_versions
+    out: dict[str, float] = {}
+    for s in range(max_staleness + 1):
+        rows = (staleness == s).nonzero().flatten()
+        present = torch.tensor([float(rows.numel())])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(present, group=group)
+        if not present.item():
+            continue
+        _, _, m = compute_correction(part.logp_old[rows], part.logp_sparse[rows], part.response_mask[rows],
+                                     correction, group=group)
+        out.update({f"{key}_staleness{s}": m[key] for key in ("mismatch/k3", "correction/token_rejected_fraction",
+                                                               "correction/veto_fraction")})
+    return out
+
+
 def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
     return (f"[iter {iteration + 1}/{total}] reward {m['reward/mean']:.3f} | loss {m['train/loss']:+.4f} | "
             f"veto {m['correction/veto_fraction']:.3f} rej {m['correction/token_rejected_fraction']:.3f} | "
             f"IS mean {m['correction/is_weight_mean']:.3f} max {m['correction/is_weight_max']:.2f} | "
             f"k3 {m['mismatch/k3']:.4f} | evicted/sample {m['kv/evicted_tokens_per_sample']:.1f} "
             f"peak KV {m['kv/peak_slots_in_use']:.0f} | sync diff {m.get('sync/max_abs_logprob_diff', float('nan')):.1e} | "
-            f"{m['time/iteration_s']:.1f} s")
+            f"{m['time/iteration_s']:.1f} s"
+            + (f" (samples {m['rollout/staleness_mean']:.1f} versions old, learner waited {m['time/learner_wait_s']:.1f} s)"
+               if m.get("rollout/staleness_max") else ""))
 
 
 def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:

@@ -161,7 +161,7 @@ def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
 E2E_READERS = ("tests/test_e2e.py", "tests/test_resume.py", "tests/test_multinode.py", "tests/test_export_hf.py")
 # handed out first, longest first (pytest.ini: --no-loadscope-reorder keeps this order), so that no long
 # module starts last on its own; the rest follow in file order
-LONGEST = E2E_READERS + ("tests/test_ablation.py", "tests/test_learner.py", "tests/test_layout_invariance.py",
+LONGEST = E2E_READERS + ("tests/test_ablation.py", "tests/test_overlap.py", "tests/test_learner.py", "tests/test_layout_invariance.py",
                          "tests/test_evaluate.py", "tests/test_engine_kv.py", "tests/test_planner.py",
                          "tests/test_engine_retraction.py")
 

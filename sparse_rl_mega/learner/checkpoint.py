@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,8 +73,9 @@ def _writer_queue_dies_with_rank() -> None:
 
 
 def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep_last: int,
-                    extra: Optional[dict] = None) -> Path:
-    """Save after ``iteration`` iterations (every rank calls this). ``extra`` goes into the marker."""
+                    extra: Optional[dict] = None, rank0_extra: Optional[Callable[[Path], None]] = None) -> Path:
+    """Save after ``iteration`` iterations (every rank calls this). ``extra`` goes into the marker;
+    ``rank0_extra(folder)``: rank 0 writes more files into the checkpoint folder (before the marker)."""
     from megatron.core import dist_checkpointing
 
     _writer_queue_dies_with_rank()
@@ -93,6 +94,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep
     torch.save(_rng_state(), target / "rng" / f"rank_{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
+        if rank0_extra is not None:
+            rank0_extra(target)
         marker = {"iteration": iteration, "layout": _layout(), **(extra or {})}
         (target / MARKER).write_text(json.dumps(marker, indent=1, default=str))
         complete = sorted(p for p in root.glob("iter_*") if (p / MARKER).is_file())

@@ -255,7 +255,18 @@ class RolloutEngine:
                  temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
                  kv_override: Optional[dict] = None, ignore_eos: bool = False,
                  prompt_offset: int = 0) -> list[GeneratedSample]:
-        """``n_samples`` responses per prompt, groups contiguous (prompt-major order).
+        """``n_samples`` responses per prompt (see :meth:`start_generate`), waited for."""
+        return self.start_generate(prompts_ids, n_samples, max_new_tokens, temperature, top_p, seed, kv_override,
+                                   ignore_eos, prompt_offset).result()
+
+    def start_generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
+                       temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
+                       kv_override: Optional[dict] = None, ignore_eos: bool = False,
+                       prompt_offset: int = 0) -> "PendingGeneration":
+        """Start sampling ``n_samples`` responses per prompt, groups contiguous (prompt-major order), and
+        return at once: the engine decodes in its own processes while the caller works (overlapped
+        rollouts); :meth:`PendingGeneration.result` waits, watching the engine as every call does. No
+        other call may be made on this engine before that.
 
         All samples of a prompt are sent in one call so the group's shared prompt is prefilled once
         and then served from the radix cache. ``kv_override`` (e.g. ``{"policy": "rkv", "budget": 64}``
@@ -284,19 +295,9 @@ class RolloutEngine:
                 if seed is not None:
                     sp["sampling_seed"] = seed + (prompt_offset + p_index) * n_samples + s
                 params.append(sp)
-        outputs = self._call("rollout", self.engine.generate, input_ids=input_ids, sampling_params=params,
-                             return_logprob=True)
-        samples = []
-        for k, out in enumerate(outputs):
-            meta = out["meta_info"]
-            token_logprobs = meta["output_token_logprobs"]
-            finish = meta.get("finish_reason") or {}
-            samples.append(GeneratedSample(
-                prompt_index=k // n_samples, prompt_ids=input_ids[k],
-                response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=[float(t[0]) for t in token_logprobs],
-                response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-                cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
-        return samples
+        started_at = time.time()
+        future = self._submit(self.engine.generate, input_ids=input_ids, sampling_params=params, return_logprob=True)
+        return PendingGeneration(self, future, input_ids, n_samples, started_at)
 
     def dense_logprobs(self, token_ids: Sequence[int], phase: str = "logprob check") -> list[float]:
         """Logprob of ``token_ids[1:]`` given their prefixes, from one (never compressed) prefill
@@ -555,6 +556,38 @@ class RolloutEngine:
         loop = self.engine.loop
         loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
         raise self.failure
+
+
+class PendingGeneration:
+    """Samples an engine is generating (:meth:`RolloutEngine.start_generate`). ``started_at`` and
+    ``finished_at`` (``time.time()``; None while it runs) time the engine's work."""
+
+    def __init__(self, engine: RolloutEngine, future: Future, input_ids: list[list[int]], n_samples: int,
+                 started_at: float):
+        self.engine, self.future, self.input_ids, self.n_samples = engine, future, input_ids, n_samples
+        self.started_at = started_at
+        self.finished_at: Optional[float] = None
+        future.add_done_callback(self._finished)
+
+    def _finished(self, future: Future) -> None:  # (on the engine's call thread)
+        self.finished_at = time.time()
+
+    def result(self) -> list[GeneratedSample]:
+        """Wait for the samples; :class:`EngineFailure` as for any engine call."""
+        outputs = self.engine._wait("rollout", self.future)
+        if self.finished_at is None:  # (the future's waiters wake before its callbacks run)
+            self.finished_at = time.time()
+        samples = []
+        for k, out in enumerate(outputs):
+            meta = out["meta_info"]
+            token_logprobs = meta["output_token_logprobs"]
+            finish = meta.get("finish_reason") or {}
+            samples.append(GeneratedSample(
+                prompt_index=k // self.n_samples, prompt_ids=self.input_ids[k],
+                response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=[float(t[0]) for t in token_logprobs],
+                response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
+                cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
+        return samples
 
 
 def _process_names(pids: Sequence[int]) -> dict[int, str]:

@@ -44,6 +44,7 @@ class EngineFleet:
         self.learner = None  # set by ready(): the weights come from its modules
         self.restarts = 0  # engine restarts since reset by the trainer (every iteration)
         self.groups = 0  # weight broadcast groups formed
+        self.version = 0  # the weights every engine serves: those after this many iterations
         self.check_ids: Optional[list[int]] = None  # checks a restarted engine's weights (ready())
 
     @property
@@ -135,6 +136,7 @@ class EngineFleet:
         if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
             before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
             return {**self.recover(failed, version, probe_ids), **before}
+        self.version = version
         return metrics
 
     def _push_once(self, probe_ids, version: int, timer, check_before: bool):

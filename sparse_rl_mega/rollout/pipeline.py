@@ -1,0 +1,275 @@
+"""The samples each iteration trains on, and the overlap of rollouts with training
+(``rollout.max_staleness``, docs/algorithm.md "Overlapped rollouts").
+
+``K = 0``: iteration i's prompts are sampled when it starts, by engines serving the weights after i
+iterations (the learner's own).
+
+``K >= 1``, one batch ahead: as soon as iteration i has its samples, the engines start on iteration
+i+1's prompts with the weights they serve and decode them in their own processes while the learner
+trains on iteration i. Weights go to idle engines only: a push first waits for the batch in flight,
+so every sample comes from one weight version (no partial rollouts). The trainer pushes after
+iteration i when, without the push, the next batch the engines start would be more than K versions
+old when trained (K = 1: after every iteration; K = 2: every other one), and whenever the engines
+must serve the newest weights (checkpoint, evaluation, last iteration, colocated engines on GPUs:
+they hand their memory to the learner while it trains and hold no weights after that, so they also
+generate before the learner trains and nothing overlaps there).
+
+A sample's *staleness* = the learner's version when it trains on the sample minus the version that
+generated it (every token of a sample has that version). A batch holding a sample more than K
+versions old is dropped and sampled again with the learner's weights (counted in
+``rollout/stale_dropped_samples``): with the schedule above that happens only when a run is resumed
+with a smaller K than the one that saved the batch ahead.
+
+The batch ahead is saved with every checkpoint (the push before a checkpoint collects it), so a
+resumed run trains on exactly the samples the uninterrupted run trains on. An engine that fails
+while generating is restarted with the learner's current weights and samples its shard again (that
+shard's samples then have staleness 0; see rollout/fleet.py).
+
+Every method is a collective (all ranks call it) unless it says otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from sparse_rl_mega.batch import RolloutBatch, pack_samples
+from sparse_rl_mega.rollout.engine import EngineFailure, PendingGeneration, RolloutEngine
+
+AHEAD_FILE = "rollout_ahead.pt"  # in a checkpoint folder: the batch the next iteration trains on
+
+
+@dataclass
+class InFlight:
+    """Engine host: its engine's shard of an iteration's prompts, being generated."""
+    engine: RolloutEngine
+    iteration: int
+    prompts: range           # the shard: prompt numbers within the iteration
+    labels: list[str]        # the shard's labels (rewards)
+    pending: PendingGeneration
+    kv_before: dict          # the engine's KV counters before it started
+    idle_s: float            # how long the engine sat idle before it started (0 for its first batch)
+
+
+@dataclass
+class SampledBatch:
+    """An iteration's samples gathered from every engine (every rank holds the whole batch)."""
+    iteration: int
+    batch: RolloutBatch
+    metrics: dict[str, float]   # rollout/, reward/, kv/ and the engines' time/generate_s, time/engine_idle_s
+    example: str                # the first response, for the console
+    generated: list[tuple[int, float, float]]  # (engine, started, finished) wall times: the timeline
+
+    def state(self) -> dict:
+        return {"iteration": self.iteration, "metrics": self.metrics, "example": self.example,
+                "generated": self.generated,
+                "batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SampledBatch":
+        return cls(iteration=state["iteration"], batch=RolloutBatch(**state["batch"]), metrics=state["metrics"],
+                   example=state["example"], generated=[tuple(g) for g in state["generated"]])
+
+
+class RolloutPipeline:
+    def __init__(self, cfg, fleet, dataset, tokenizer=None, scorer=None, log=print):
+        """``tokenizer`` and ``scorer``: engine hosts only (prompts are encoded and scored there)."""
+        self.cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, self.log = \
+            cfg, fleet, dataset, tokenizer, scorer, log
+        self.max_staleness = cfg.rollout.max_staleness
+        self.in_flight: Optional[InFlight] = None  # host: its shard of the batch ahead
+        self.ahead_iteration: Optional[int] = None  # the iteration whose batch was started and not yet taken
+        self.ahead: Optional[SampledBatch] = None  # that batch, once collected (or loaded from a checkpoint)
+        self.engine_finished_at: Optional[float] = None  # host: when its engine finished its last batch
+        self.generated: list[tuple[int, int, float, float]] = []  # (iteration, engine, start, end) since drained
+
+    # ------------------------------------------------------------------ the iteration's samples
+    def take(self, iteration: int, timer) -> SampledBatch:
+        """The batch iteration ``iteration`` trains on (the learner holds the weights after
+        ``iteration`` iterations): the batch ahead when there is one, else sampled now. Its metrics
+        get the staleness figures."""
+        with timer.phase("learner_wait"):
+            if self.ahead_iteration == iteration and self.ahead is None:
+                self.ahead = self.sample(iteration, iteration, timer)
+            sampled = self.ahead if self.ahead is not None and self.ahead.iteration == iteration else None
+            self.ahead, self.ahead_iteration = None, None
+            dropped = 0
+            if sampled is not None:
+                oldest = iteration - int(sampled.batch.weight_versions.min())
+                if oldest > self.max_staleness:
+                    dropped = sampled.batch.size
+                    self.log(f"[rollout] iteration {iteration + 1}: the batch ahead has samples {oldest} weight "
+                             f"version(s) old, more than rollout.max_staleness={self.max_staleness}: dropped "
+                             f"({dropped} samples), sampling again with the learner's weights")
+                    sampled = None
+            if sampled is None:
+                sampled = self.sample(iteration, iteration, timer)
+        staleness = (iteration - sampled.batch.weight_versions).double()
+        sampled.metrics.update({"rollout/staleness_mean": float(staleness.mean()),
+                                "rollout/staleness_max": float(staleness.max()),
+                                "rollout/stale_dropped_samples": float(dropped)})
+        return sampled
+
+    def start_ahead(self, iteration: int, timer) -> None:
+        """Right after :meth:`take` of iteration ``iteration - 1``: with ``max_staleness`` >= 1 the
+        engines start on iteration ``iteration``'s prompts (none past the last iteration) and this
+        returns at once. Colocated engines on GPUs generate it now (the learner needs their memory)."""
+        if not self.max_staleness or iteration >= self.cfg.trainer.iterations:
+            return
+        self.ahead_iteration = iteration
+        if self.fleet.release_memory:
+            self.ahead = self.sample(iteration, iteration - 1, timer)
+            return
+        if self.fleet.placement is not None:
+            try:
+                self.in_flight = self._start_shard(self.fleet.engine, iteration)
+            except EngineFailure:  # its calls fail again when collected: restarted then
+                self.in_flight = None
+
+    def collect(self, learner_version: int, timer) -> None:
+        """Wait for the batch in flight (before the engines take weights, or when its iteration
+        starts); ``learner_version``: the weights a failed engine is restarted with."""
+        if self.ahead_iteration is None or self.ahead is not None:
+            return
+        with timer.phase("learner_wait"):
+            self.ahead = self.sample(self.ahead_iteration, learner_version, timer)
+
+    def push_due(self, trained: int, served: int) -> bool:
+        """Whether the weights after ``trained`` iterations must go to the engines (serving version
+        ``served``) now, for staleness: the batch they start next is trained at iteration ``trained
+        + 1``. (The trainer also pushes for checkpoints, evaluation and the last iteration.)"""
+        return not self.max_staleness or self.fleet.release_memory or trained + 1 - served > self.max_staleness
+
+    def drain_timeline(self) -> list[tuple[int, int, float, float]]:
+        """Rank 0: ``(iteration, engine, started, finished)`` of every batch gathered since the last call."""
+        out, self.generated = self.generated, []
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder: Path) -> None:
+        """Rank 0: the collected batch ahead into checkpoint ``folder`` (nothing without one)."""
+        if self.ahead is not None:
+            torch.save(self.ahead.state(), Path(folder) / AHEAD_FILE)
+
+    def load(self, folder: Path) -> None:
+        """The batch ahead saved in checkpoint ``folder``, if any (every rank reads it)."""
+        path = Path(folder) / AHEAD_FILE
+        if path.is_file():
+            self.ahead = SampledBatch.from_state(torch.load(path, weights_only=False))
+            self.ahead_iteration = self.ahead.iteration
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, iteration: int, learner_version: int, timer) -> SampledBatch:
+        """Iteration ``iteration``'s batch: each engine host finishes its shard in flight or samples it
+        now; an engine that fails is restarted with the learner's weights (``learner_version``) and
+        samples its shard again. Every rank gets the whole batch in prompt order."""
+        from sparse_rl_mega.reward.scorer import ScorerStats
+
+        cfg = self.cfg
+
+        def my_shard(engine):
+            shard, self.in_flight = self.in_flight, None
+            if shard is None or shard.engine is not engine or shard.iteration != iteration:
+                shard = self._start_shard(engine, iteration)
+            return self._finish_shard(shard, timer)
+        mine = self.fleet.sample(my_shard, learner_version)
+        shards: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, mine)
+        shards = sorted((s for s in shards if s is not None), key=lambda s: s["first_prompt"])
+        # every prompt of the iteration exactly once, each with its whole group
+        n = cfg.rollout.n_samples_per_prompt
+        covered = [sample.prompt_index for s in shards for sample in s["samples"][::n]]
+        if covered != list(range(cfg.data.prompts_per_iteration)) or \
+                any(len(s["samples"]) != n * len(s["samples"][::n]) for s in shards):
+            raise RuntimeError(f"rollout shards do not cover the {cfg.data.prompts_per_iteration} prompts once "
+                               f"each: got prompts {covered}")
+        samples = [sample for s in shards for sample in s["samples"]]
+        rewards = [reward for s in shards for reward in s["rewards"]]
+        batch = pack_samples(samples, rewards, pad_id=shards[0]["pad_id"])
+        per_sample = [c for s in shards for c in s["compression"]]
+        response_lens = [len(x.response_ids) for x in samples]
+        evicted = sum(s["kv"]["evicted_tokens"] for s in shards)
+        scored = ScorerStats()
+        for s in shards:
+            scored.add(s["scorer"])
+        generated = [s["generated"] for s in shards]
+        metrics = {
+            "reward/mean": float(batch.rewards.mean()),
+            **scored.metrics("reward/"),
+            "rollout/engines": float(len(shards)),
+            "rollout/weight_version": float(batch.weight_versions.min()),  # the oldest
+            "rollout/response_len_mean": sum(response_lens) / len(response_lens),
+            "rollout/truncated_fraction": sum(x.finish_reason == "length" for x in samples) / len(samples),
+            "kv/evicted_tokens": evicted,
+            "kv/evicted_tokens_per_sample": evicted / len(samples),
+            "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
+            "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
+            "kv/compactions": sum(s["kv"]["compactions"] for s in shards),
+            "kv/freed_slots": sum(s["kv"]["freed_slots"] for s in shards),
+            "kv/peak_slots_in_use": max(s["peak_slots_in_use"] for s in shards),  # per engine
+            "kv/pool_size": float(shards[0]["pool_size"]),
+            "time/generate_s": max(end - start for _, start, end in generated),  # the slowest engine's
+            "time/engine_idle_s": max(s["idle_s"] for s in shards),  # before it started this batch
+        }
+        if dist.get_rank() == 0:
+            self.generated += [(iteration, *g) for g in generated]
+        return SampledBatch(iteration, batch, metrics, samples[0].response_text, generated)
+
+    def _start_shard(self, engine: RolloutEngine, iteration: int) -> InFlight:
+        """Host: ``engine`` starts on its shard of iteration ``iteration``'s prompts."""
+        from sparse_rl_mega.data.formatting import encode_prompt
+        from sparse_rl_mega.rollout.placement import prompt_shard
+
+        cfg, r = self.cfg, self.cfg.rollout
+        records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
+        shard = prompt_shard(len(records), len(self.fleet.placements), self.fleet.placement.index)
+        prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
+        kv_before = engine.kv_stats()
+        # the seeds of one engine given every prompt: the same samples for any number of engines
+        pending = engine.start_generate(prompts_ids, r.n_samples_per_prompt, r.max_new_tokens, r.temperature, r.top_p,
+                                        seed=cfg.trainer.seed * 100_003 + iteration * 7919, prompt_offset=shard.start)
+        idle = pending.started_at - self.engine_finished_at if self.engine_finished_at is not None else 0.0
+        return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, idle)
+
+    def _finish_shard(self, shard: InFlight, timer) -> dict:
+        """Host: wait for ``shard``'s samples and score them."""
+        engine = shard.engine
+        with timer.phase("rollout"):
+            samples = shard.pending.result()
+            kv_after = engine.kv_stats()
+        self.engine_finished_at = shard.pending.finished_at
+        for sample in samples:  # the iteration's prompt numbering (GRPO group ids)
+            sample.prompt_index += shard.prompts.start
+        stale = {s.weight_version for s in samples} - {str(engine.weight_version)}
+        if stale:  # a sample generated with other weights than the engine was given last
+            raise RuntimeError(f"engine {self.fleet.placement.index}: rollout samples report weight version(s) "
+                               f"{sorted(stale)}, expected {engine.weight_version}")
+        with timer.phase("reward"):
+            rewards = self.scorer.score([s.response_text for s in samples],
+                                        [shard.labels[s.prompt_index - shard.prompts.start] for s in samples])
+        return {
+            "first_prompt": shard.prompts.start, "samples": samples, "rewards": rewards,
+            "scorer": self.scorer.last_stats, "pad_id": self.tokenizer.pad_token_id or 0,
+            "compression": self._per_sample_compression(engine, samples),
+            "kv": {key: float(kv_after.get(key, 0) - shard.kv_before.get(key, 0))
+                   for key in ("evicted_tokens", "compactions", "freed_slots")},
+            "peak_slots_in_use": float(kv_after.get("peak_slots_in_use", 0)),
+            "pool_size": float(kv_after.get("pool_size", 0)),
+            "generated": (self.fleet.placement.index, shard.pending.started_at, shard.pending.finished_at),
+            "idle_s": shard.idle_s,
+        }
+
+    def _per_sample_compression(self, engine: RolloutEngine, samples) -> list[tuple[int, int]]:
+        """``(compressions, evicted tokens)`` of each sample, replayed from its lengths."""
+        from sparse_rl_mega.kv.policies import POLICIES, compression_schedule
+
+        kv = self.cfg.rollout.kv_compression
+        if kv.policy == "none":
+            return [(0, 0)] * len(samples)
+        needed = kv.window if POLICIES[kv.policy].waits_for_window() else 0
+        newlines = set(engine.kv.newline_token_ids)
+        return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
+                                     [t in newlines for t in s.response_ids]) for s in samples]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -436,6 +437,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_EXPONENT_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
 def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is typing.Union:
@@ -454,6 +458,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         return _build(tp, value, key + ".", source)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):
+        return float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp in (str, bool) and type(value) is tp:
@@ -587,6 +593,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  f"(parallel.nproc_per_node={p.nproc_per_node})")
     _require(d.prompts_per_iteration % r.num_engines == 0, source, "data.prompts_per_iteration",
              f"{d.prompts_per_iteration} prompts cannot be shared equally by rollout.num_engines={r.num_engines}")
+    _require(r.max_staleness >= 0, source, "rollout.max_staleness",
+             f"must be >= 0 (0: no overlap; K: samples at most K weight versions old), got {r.max_staleness}")
     _require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.temperature > 0.0, source, "rollout.temperature",
              f"must be > 0 (RL samples), got {r.temperature}")

@@ -99,6 +99,12 @@ def test_override_reaches_value_and_is_validated(tmp_path):
     assert cfg.trainer.iterations == 7
     with pytest.raises(ConfigError, match="trainer.iterations: must be > 0"):
         load_config(CPU_TINY, ["trainer.iterations=0"])
+    # YAML 1.1 reads 1e-3 (no dot) as a string: a float field takes it as the number it spells
+    assert load_config(CPU_TINY, ["trainer.lr=1e-3"]).trainer.lr == 1e-3
+    with pytest.raises(ConfigError, match="trainer.lr = 'fast': expected float"):
+        load_config(CPU_TINY, ["trainer.lr=fast"])
+    with pytest.raises(ConfigError, match="rollout.max_staleness: must be >= 0"):
+        load_config(CPU_TINY, ["rollout.max_staleness=-1"])
 
 
 def _launch(*args):
@@ -116,7 +122,8 @@ def test_dry_run_prints_layout(name):
 
 def test_dry_run_of_70b_shows_its_scale():
     out = _launch("examples/70b_math.yaml", "--dry-run").stdout
-    assert "world 64 = 8 node(s) x 8; TP 8 x PP 4 (5 virtual stages each) x DP 2" in out
+    assert "world 32 = 8 node(s) x 4; TP 4 x PP 8 (5 virtual stages each) x DP 1" in out
+    assert "8 engine(s) x TP 4, separate, one batch ahead (max_staleness 1)" in out
     assert "FP8" in out and "transformer_engine" in out and "budget 512" in out
 
 

@@ -1,6 +1,6 @@
 """Overlapped rollouts (``rollout.max_staleness``, sparse_rl_mega/rollout/pipeline.py) on the tiny model:
 one learner rank and one separate engine, dense sampling (so that any gap between the sampler's
-``logp_sparse`` and the learner's ``logp_old`` comes from staleness alone), 4 iterations.
+``logp_sparse`` and the learner's ``logp_old`` comes from staleness alone), 5 iterations.
 
 * K = 0 and K = 1, each launched once: iteration 1 is the same in both (nothing is stale yet); with
   K = 1 iteration i >= 2 trains on samples of weights i-1, the learner's dense ``logp_old`` is of its
@@ -8,8 +8,11 @@ one learner rank and one separate engine, dense sampling (so that any gap betwee
   engine decodes the next batch while the learner trains (``timeline.jsonl``), and the run's reward
   stays close to K = 0's with the same samples per iteration.
 * K = 1 with rank 0 SIGKILLed while it trains iteration 3 (a batch in flight), restarted by the
-  launcher from iteration 2's checkpoint (which holds the batch ahead): every metric and every tensor
-  of the final checkpoint equal the uninterrupted K = 1 run's.
+  launcher from iteration 2's checkpoint (which holds the batch ahead): every metric of iterations
+  1-4 and every tensor of iteration 4's checkpoint equal the uninterrupted K = 1 run's. Then the
+  engine is SIGKILLed while it generates iteration 5's batch during iteration 4's training: it is
+  restarted with the learner's newest weights and samples that batch again, which is then fresh
+  (staleness 0) where the uninterrupted run's was one version old.
 """
 import json
 
@@ -18,7 +21,7 @@ import pytest
 from tests.conftest import run_launch, write_test_config
 from tools.chaos import compare, final_state, metrics_by_iteration
 
-ITERATIONS = 4
+ITERATIONS = 5
 OVERRIDES = ["parallel.nproc_per_node=1", "parallel.pipeline_model_parallel_size=1", "rollout.placement=separate",
              "trainer.sync_method=broadcast", "rollout.kv_compression.policy=none", f"trainer.iterations={ITERATIONS}",
              "checkpoint.save_interval=2", "checkpoint.keep_last=3"]
@@ -46,10 +49,10 @@ def overlapped(tmp_path_factory, tiny_model_dir):
 def test_samples_are_one_version_old_and_corrected_against_current_weights(overlapped, synchronous):
     run_dir, proc = overlapped
     metrics = metrics_by_iteration(run_dir)
-    assert [metrics[i]["rollout/weight_version"] for i in range(ITERATIONS)] == [0, 0, 1, 2]
-    assert [metrics[i]["rollout/staleness_max"] for i in range(ITERATIONS)] == [0, 1, 1, 1]
+    assert [metrics[i]["rollout/weight_version"] for i in range(ITERATIONS)] == [0, 0, 1, 2, 3]
+    assert [metrics[i]["rollout/staleness_max"] for i in range(ITERATIONS)] == [0, 1, 1, 1, 1]
     assert all(metrics[i]["rollout/stale_dropped_samples"] == 0 for i in range(ITERATIONS))
-    assert [metrics[i]["sync/weight_version"] for i in range(ITERATIONS)] == [1, 2, 3, 4]  # a push every iteration
+    assert [metrics[i]["sync/weight_version"] for i in range(ITERATIONS)] == [1, 2, 3, 4, 5]  # a push every iteration
     # dense sampler: fresh samples match the learner to float noise; one-version-old samples differ by
     # what one iteration of training changed, measured against the learner's current weights
     assert metrics[0]["mismatch/k3_staleness0"] < 1e-6
@@ -62,7 +65,7 @@ def test_samples_are_one_version_old_and_corrected_against_current_weights(overl
     for key in ("reward/mean", "rollout/response_len_mean", "train/loss", "mismatch/k3", "sync/max_abs_logprob_diff"):
         assert metrics[0][key] == reference[0][key], key
     assert all(reference[i]["rollout/staleness_max"] == 0 for i in range(ITERATIONS))
-    # the same number of samples learns about as well (4 iterations of 16 samples: a loose bound)
+    # the same number of samples learns about as well (5 iterations of 16 samples: a loose bound)
     mean = [sum(m[i]["reward/mean"] for i in range(ITERATIONS)) / ITERATIONS for m in (metrics, reference)]
     assert abs(mean[0] - mean[1]) < 0.15, mean
 
@@ -83,9 +86,15 @@ def test_engine_decodes_while_the_learner_trains(overlapped):
 def test_killed_mid_overlap_resumes_exactly(overlapped, tmp_path_factory, tiny_model_dir):
     run_dir, _ = overlapped
     killed_dir, proc = _launch(tmp_path_factory, tiny_model_dir, "k1_killed", 1, "--max-restarts", "1",
-                               env={"SPARSE_RL_MEGA_FAULT": "kill-rank0@train:3+0.1"})
+                               env={"SPARSE_RL_MEGA_FAULT": "kill-rank0@train:3+0.1,kill-engine@train:4+0.05"})
     assert "[launch] the job failed: rank 0 was killed by SIGKILL" in proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout
-    differences = compare((final_state(run_dir, ITERATIONS), metrics_by_iteration(run_dir)),
-                          (final_state(killed_dir, ITERATIONS), metrics_by_iteration(killed_dir)))
+    uninterrupted, resumed = metrics_by_iteration(run_dir), metrics_by_iteration(killed_dir)
+    differences = compare((final_state(run_dir, 4), {i: uninterrupted[i] for i in range(4)}),
+                          (final_state(killed_dir, 4), resumed))
     assert not differences, differences
+    # the engine killed while generating ahead: restarted with weights 4, iteration 5's batch sampled again
+    assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in proc.stdout
+    assert "[engine] every engine restarted and given weights version 4" in proc.stdout  # (one weight group)
+    assert (resumed[4]["rollout/weight_version"], resumed[4]["rollout/staleness_max"]) == (4, 0)
+    assert uninterrupted[4]["rollout/weight_version"] == 3

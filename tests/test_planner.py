@@ -27,6 +27,11 @@ FAMILIES = {
     "qwen3-qknorm-tied": dict(family="qwen3", head_dim=24, tie_word_embeddings=True),
 }
 EXAMPLE_70B = ROOT / "examples" / "70b_math.yaml"
+# the 70B example on 8 GPUs per node with colocated TP 8 engines (its layout before overlapped rollouts):
+# the arithmetic below is written for that layout
+COLOCATED_TP8 = ["parallel.nproc_per_node=8", "parallel.tensor_model_parallel_size=8",
+                 "parallel.pipeline_model_parallel_size=4", "rollout.engine_tensor_parallel_size=8",
+                 "rollout.placement=colocated", "rollout.mem_fraction_static=0.7", "rollout.max_staleness=0"]
 
 
 def _hf_param_count(arch: ArchConfig) -> int:
@@ -174,8 +179,8 @@ def test_plan_every_example(example):
 
 
 def test_70b_side_buffers_are_planned_and_fit_beside_the_pool():
-    """The KV patch's query ring (and H2O's mass) for the 70B example's engine: 80 layers, 64 / 8 heads of
-    128 at engine TP 8 (8 query heads and 1 KV head per rank), bfloat16, window 8, 128 running requests;
+    """The KV patch's query ring (and H2O's mass) for the 70B example's model with colocated engines: 80
+    layers, 64 / 8 heads of 128 at engine TP 8 (8 query heads and 1 KV head per rank), bfloat16, window 8, 128 running requests;
     --plan shows them and takes them out of mem_fraction_static before the pool."""
     ring = (128 + 1) * 80 * 8 * 8 * 128 * 2  # [running + SGLang's padding row, layers, window, q_heads, d]
     mass = 128 * 80 * 1 * (512 + 512 + 128 + 1 + 64) * 4  # float32 per running request: prompt + B + N + 1 + headroom
@@ -186,15 +191,17 @@ def test_70b_side_buffers_are_planned_and_fit_beside_the_pool():
     h2o_scoring = 2 * keys_and_copies  # two requests per chunk
     for policy, expected in (("rkv", {"query_ring": ring, "h2o_mass": 0, "scoring": rkv_scoring}),
                              ("h2o", {"query_ring": ring, "h2o_mass": mass, "scoring": h2o_scoring})):
-        plan = plan_memory(load_config(EXAMPLE_70B, [f"rollout.kv_compression.policy={policy}"]), 80, 512)
+        plan = plan_memory(load_config(EXAMPLE_70B, COLOCATED_TP8 + [f"rollout.kv_compression.policy={policy}"]),
+                           80, 512)
         em = plan.engine
         assert em.side_buffers == expected
         assert em.static_bytes == int(em.free_bytes * 0.7) - sum(expected.values())
         assert em.weight_bytes + em.pool_bytes + em.side_bytes <= em.free_bytes * 0.7
         assert plan.fits
-    shared = plan_memory(load_config(EXAMPLE_70B, ["rollout.kv_compression.selection=shared"]), 80, 512).engine
+    shared = plan_memory(load_config(EXAMPLE_70B, COLOCATED_TP8 + ["rollout.kv_compression.selection=shared"]),
+                         80, 512).engine
     assert shared.side_buffers["query_ring"] == ring // 80  # the first layer's queries only
-    proc = run_launch(EXAMPLE_70B, "--plan", timeout=120)
+    proc = run_launch(EXAMPLE_70B, "--plan", *[f"--set={o}" for o in COLOCATED_TP8], timeout=120)
     side = ring + rkv_scoring
     assert (f"side buffers {side / GIB:9.2f} GiB  (query ring {ring / GIB:.2f} GiB for 128 running requests, "
             f"scoring workspace {rkv_scoring / GIB:.2f} GiB") in proc.stdout
@@ -219,7 +226,7 @@ def test_plan_says_an_impossible_layout_does_not_fit():
                       "--set", "parallel.sequence_parallel=false", "--set", "rollout.num_engines=1", timeout=120)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "does NOT fit: learner (stage 0) needs" in proc.stdout
-    # a separate engine at TP 1: the bfloat16 weights (131 GiB) exceed 0.7 x 80 GiB
+    # a separate engine at TP 1: the bfloat16 weights (131 GiB) exceed 0.85 x 80 GiB
     cfg = load_config(EXAMPLE_70B, ["rollout.engine_tensor_parallel_size=1", "rollout.placement=separate",
                                     "trainer.sync_method=broadcast"])
     plan = plan_memory(cfg, 80.0)
@@ -246,9 +253,10 @@ def test_interleaving_and_context_parallelism_in_the_activation_estimate():
     Context parallelism: with fused attention a rank stores activations of its share of the tokens."""
     from sparse_rl_mega.planner import learner_memory
 
-    plain = ["parallel.virtual_pipeline_model_parallel_size=1"]
+    plain = COLOCATED_TP8 + ["parallel.virtual_pipeline_model_parallel_size=1"]
     base = learner_memory(load_config(EXAMPLE_70B, plain), 512, 0)
-    interleaved = learner_memory(load_config(EXAMPLE_70B, ["parallel.virtual_pipeline_model_parallel_size=5"]), 512, 0)
+    interleaved = learner_memory(load_config(EXAMPLE_70B, COLOCATED_TP8 + ["parallel.virtual_pipeline_model_parallel_size=5"]),
+                                 512, 0)
     assert interleaved.activation_bytes / base.activation_bytes == pytest.approx(1 + 3 / 20)
     assert interleaved.micro_batches_in_flight == pytest.approx(4.6)
     split = learner_memory(load_config(EXAMPLE_70B, plain + ["parallel.context_parallel_size=2"]), 512, 0)

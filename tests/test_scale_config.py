@@ -18,13 +18,14 @@ def test_70b_transformer_config_without_importing_te():
     config = TransformerConfig(**transformer_config_kwargs(cfg))
     assert (config.fp8, config.fp8_recipe, config.fp8_param) == ("hybrid", "mxfp8", False)
     assert config.bf16 and str(config.params_dtype) == "torch.bfloat16"
-    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (8, 4)
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (4, 8)
     assert config.sequence_parallel and config.recompute_granularity == "selective"
     assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == (80, 8192, 8, 128)
-    # interleaved pipeline: 5 chunks of 4 layers per rank, p2p per direction (not batched)
+    # interleaved pipeline: 5 chunks of 2 layers per rank, p2p per direction (not batched)
     assert config.virtual_pipeline_model_parallel_size == 5 and not config.batch_p2p_comm and config.overlap_p2p_comm
     assert config.context_parallel_size == 1
-    split = load_config(ROOT / "examples" / "70b_math.yaml", ["parallel.context_parallel_size=2"])
+    split = load_config(ROOT / "examples" / "70b_math.yaml", ["parallel.context_parallel_size=2",
+                                                              "parallel.pipeline_model_parallel_size=4"])
     config = TransformerConfig(**transformer_config_kwargs(split))
     assert (config.context_parallel_size, config.cp_comm_type) == (2, "p2p")  # TE's ring attention
     assert "transformer_engine" not in sys.modules
@@ -55,7 +56,7 @@ def test_te_layer_spec_is_requested_for_transformer_engine(monkeypatch):
 
 def test_sequence_width_multiple_follows_sp_cp_and_fp8():
     """Micro-batch widths are padded so that CP chunks, the sequence-parallel split and FP8 GEMMs'
-    16-token (MXFP8: 32) alignment all divide them (TP8 x SP, FP8 on the 70B example)."""
+    16-token (MXFP8: 32) alignment all divide them (TP4 x SP, FP8 on the 70B example)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from sparse_rl_mega.learner.model import transformer_config_kwargs
@@ -65,9 +66,9 @@ def test_sequence_width_multiple_follows_sp_cp_and_fp8():
         cfg = load_config(ROOT / "examples" / "70b_math.yaml", list(overrides))
         return _sequence_multiple(TransformerConfig(**transformer_config_kwargs(cfg)))
 
-    assert multiple() == 8 * 16
-    assert multiple("model.fp8_recipe=mxfp8") == 8 * 32
-    assert multiple("parallel.context_parallel_size=2") == 4 * 8 * 16
+    assert multiple() == 4 * 16
+    assert multiple("model.fp8_recipe=mxfp8") == 4 * 32
+    assert multiple("parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=4") == 4 * 4 * 16
     assert multiple("model.fp8=null", "parallel.sequence_parallel=false") == 1
 
 

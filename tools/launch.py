@@ -93,7 +93,8 @@ def describe_layout(cfg: RunConfig) -> str:
         f"heads {m.arch.num_attention_heads}/{m.arch.num_query_groups} kv)",
         f"learner    world {cfg.world_size} = {p.nnodes} node(s) x {p.nproc_per_node}; TP {tp} x PP {pp}{virtual}"
         f"{context} x DP {cfg.data_parallel_size}; layers {m.transformer_impl}, {precision}",
-        f"rollout    {r.num_engines} engine(s) x TP {r.engine_tensor_parallel_size}, {r.placement}; "
+        f"rollout    {r.num_engines} engine(s) x TP {r.engine_tensor_parallel_size}, {r.placement}"
+        f"{f', one batch ahead (max_staleness {r.max_staleness})' if r.max_staleness else ''}; "
         f"{cfg.data.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples, "
         f"max {r.max_new_tokens} new tokens",
         f"kv         {kv_line}",

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Overlapped rollouts: iteration time with ``rollout.max_staleness`` K = 1 (the engines generate the
+next batch while the learner trains) beside K = 0 (generate, train, push in turn), same config.
+
+Launches ``tools/launch.py CONFIG`` once per K (alternating when ``--repeats`` > 1), each in its own run
+folder, then reads the runs' MLflow metrics and ``timeline.jsonl``. Per K, means over the iterations
+after the first (its rollout includes the engine's warm-up): iteration time, the learner's wait for
+samples (``time/learner_wait_s``), the engine's idle time before each batch (``time/engine_idle_s``),
+its generation time, the learner's compute (dense ``logp_old`` + optimizer steps), the weight push,
+the samples' staleness and the training reward; ratios (K = 0 / K) last. ``--json`` writes it all.
+
+Default: examples/cpu_tiny.yaml with one learner process and one separate engine (2 processes on the
+2 cores here), the example's R-KV sampling, no checkpoints:
+
+    python tools/bench_overlap.py --iterations 12 --repeats 2 --json runs/bench_overlap.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SEPARATE = ["parallel.nproc_per_node=1", "parallel.pipeline_model_parallel_size=1", "rollout.placement=separate",
+            "trainer.sync_method=broadcast", "checkpoint.save_interval=0"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default=str(ROOT / "examples" / "cpu_tiny.yaml"),
+                   help="run config (default: examples/cpu_tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable), after the defaults below")
+    p.add_argument("--no-separate", action="store_true",
+                   help=f"keep the config's layout instead of {' '.join(SEPARATE)}")
+    p.add_argument("--staleness", default="0,1", help="values of rollout.max_staleness, comma-separated")
+    p.add_argument("--iterations", type=int, default=12, help="trainer.iterations of each run")
+    p.add_argument("--repeats", type=int, default=1, help="runs per value, alternating; figures pooled")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_overlap"), help="parent of the run folders")
+    p.add_argument("--json", default=None, help="write all figures here")
+    return p.parse_args(argv)
+
+
+def run_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Every metric of the run folder's MLflow run, by iteration (0-based)."""
+    import mlflow
+
+    from sparse_rl_mega.tracking import default_tracking_uri
+
+    client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    out: dict[int, dict[str, float]] = {}
+    for key in run.data.metrics:
+        for m in client.get_metric_history(run.info.run_id, key):
+            out.setdefault(m.step, {})[key] = m.value
+    return out
+
+
+def summarize(runs: list[dict[int, dict[str, float]]]) -> dict[str, float]:
+    """Means over every run's iterations after the first."""
+    rows = [m for metrics in runs for step, m in sorted(metrics.items()) if step > 0]
+    half = [m for metrics in runs for step, m in sorted(metrics.items()) if step >= len(metrics) // 2]
+
+    def mean(key, of=rows):
+        return statistics.fmean(m.get(key, 0.0) for m in of)
+    return {
+        "iteration_s": mean("time/iteration_s"),
+        "learner_wait_s": mean("time/learner_wait_s"),
+        "engine_idle_s": mean("time/engine_idle_s"),
+        "generate_s": mean("time/generate_s"),
+        "learner_compute_s": mean("time/logp_old_s") + mean("time/train_s"),
+        "sync_s": mean("time/sync_s"),
+        "staleness_mean": mean("rollout/staleness_mean"),
+        "reward_mean": mean("reward/mean", [m for metrics in runs for m in metrics.values()]),
+        "reward_mean_second_half": mean("reward/mean", half),
+        "iterations_timed": float(len(rows)),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    values = [int(v) for v in args.staleness.split(",")]
+    base = ([] if args.no_separate else SEPARATE) + [f"trainer.iterations={args.iterations}"] + args.overrides
+    runs: dict[int, list] = {k: [] for k in values}
+    for repeat in range(args.repeats):
+        for k in values:
+            run_dir = Path(args.out) / f"k{k}_r{repeat}"
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)
+            sets = base + [f"rollout.max_staleness={k}", f"trainer.run_dir={run_dir}"]
+            print(f"[bench] max_staleness={k} run {repeat + 1}/{args.repeats} -> {run_dir}", flush=True)
+            proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), args.config,
+                                   *[f"--set={s}" for s in sets]], cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-2000:] + proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            runs[k].append(run_metrics(run_dir))
+    figures = {k: summarize(r) for k, r in runs.items()}
+    for k, f in figures.items():
+        print(" ".join(f"k{k}_{name}={value:.4g}" for name, value in f.items()))
+    reference = figures[values[0]]
+    for k in values[1:]:
+        f = figures[k]
+        print(f"ratio_iteration_s_k{values[0]}_over_k{k}={reference['iteration_s'] / f['iteration_s']:.3f} "
+              f"ratio_learner_wait_s_k{values[0]}_over_k{k}={reference['learner_wait_s'] / max(f['learner_wait_s'], 1e-9):.3g} "
+              f"ratio_engine_idle_s_k{values[0]}_over_k{k}={reference['engine_idle_s'] / max(f['engine_idle_s'], 1e-9):.3f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": args.config, "overrides": base, "figures": figures},
+                                              indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

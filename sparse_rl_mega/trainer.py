@@ -5,6 +5,8 @@ One iteration:
   -> dense ``logp_old`` from the Megatron learner -> correction (veto, token rejection, IS weights)
   -> optimizer step(s) with the corrected PPO loss -> engine weights resynced from the learner shards
   -> (optionally) held-out accuracy on the engine, dense and sparse -> metrics to MLflow and the console.
+With ``rollout.max_staleness`` >= 1 the engines generate the next iteration's samples while the learner
+trains on this one (sparse_rl_mega/rollout/pipeline.py); weights go to the engines once they are idle.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from sparse_rl_mega.reward.scorer import ExactAnswerScorer, MathScorer
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 1.0   # per-check limit of the test scorer (the default is 2 s)
-SLACK = 1.0   # measured overshoot is ~0.02 s on an idle machine; generous for a busy 2-core one
+SLACK = 3.0   # measured overshoot is ~0.02 s on an idle machine, up to ~2 s while two launches share
+              # the 2 cores (the suite's other worker); a check that is not cut off takes far longer
 
 
 @pytest.fixture(scope="module")

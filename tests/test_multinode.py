@@ -5,11 +5,14 @@ both engines over one group.
 
 * colocated, learner PP2 across the nodes: the rank hosting engine 1 is also the last pipeline stage,
   so it sends its weight pieces to rank 0 while its engine receives the broadcast;
-* separate, learner DP2: each data-parallel rank trains on half of the prompts, every group whole
-  (the trainer checks the split and the coverage every iteration and fails otherwise).
+* separate, learner DP2, overlapped rollouts (``rollout.max_staleness: 1``, 2 iterations): each
+  data-parallel rank trains on half of the prompts, every group whole (the trainer checks the split and
+  the coverage every iteration and fails otherwise); both engines generate iteration 2's samples while
+  the learner trains iteration 1, with the weights of version 0.
 
 The first rollout of a run depends only on the initial weights and the seeds, which follow the
-prompt, not the engine: it equals the single-engine run's (the shared ``e2e_run``, same settings).
+prompt, not the engine, nor whether rollouts overlap: it equals the single-engine, synchronous run's (the
+shared ``e2e_run``, same settings).
 In the colocated case engine 0's scheduler is killed as that rollout starts: both engines restart
 (they share the weight group), engine 0 samples its shard again, and the rollout is still the
 single-engine run's.
@@ -61,10 +64,11 @@ def _history(run_dir, key):
 def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     config = write_test_config(tmp_path / "two_nodes.yaml", tiny_model_dir, run_dir)
+    iterations = ITERATIONS if placement == "colocated" else 2
     learner = (["parallel.pipeline_model_parallel_size=2"] if placement == "colocated"
-               else ["parallel.pipeline_model_parallel_size=1"])
+               else ["parallel.pipeline_model_parallel_size=1", "rollout.max_staleness=1"])
     overrides = ["parallel.nnodes=2", "parallel.nproc_per_node=1", *learner, "rollout.num_engines=2",
-                 f"rollout.placement={placement}", "trainer.sync_method=broadcast", f"trainer.iterations={ITERATIONS}",
+                 f"rollout.placement={placement}", "trainer.sync_method=broadcast", f"trainer.iterations={iterations}",
                  "checkpoint.save_interval=0"]
     # colocated: engine 0's scheduler is killed as the first rollout starts; with the broadcast sync both
     # engines restart, join a new weight group and get the current weights (version 0), engine 0 samples
@@ -74,7 +78,7 @@ def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
     for code, out, err in outputs:
         assert code == 0, out[-3000:] + err[-5000:]
     head_out = outputs[0][1] + outputs[1][1]
-    assert f"[iter {ITERATIONS}/{ITERATIONS}]" in head_out
+    assert f"[iter {iterations}/{iterations}]" in head_out
     assert "weight broadcast group of 3 members" in head_out
     if placement == "colocated":
         assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in head_out
@@ -83,10 +87,14 @@ def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
         assert head_out.count("weight broadcast group of 3 members") == 2
         assert _history(run_dir, "engine/restarts") == {0: 1.0}
 
-    assert _history(run_dir, "rollout/engines") == {0: 2.0}
+    steps = range(iterations)
+    assert _history(run_dir, "rollout/engines") == {i: 2.0 for i in steps}
     # after every push both engines serve the learner's weights (the largest difference of the two)
     assert all(v < 1e-4 for v in _history(run_dir, "sync/max_abs_logprob_diff").values())
-    assert _history(run_dir, "sync/weight_version") == {0: 1.0}
+    assert _history(run_dir, "sync/weight_version") == {i: i + 1.0 for i in steps}
+    if placement == "separate":  # iteration 2 trained on the samples both engines made during iteration 1
+        assert _history(run_dir, "rollout/weight_version") == {0: 0.0, 1: 0.0}
+        assert _history(run_dir, "rollout/staleness_max") == {0: 0.0, 1: 1.0}
     dp_share = 4 if placement == "colocated" else 2  # 4 prompts per iteration over DP 1 or DP 2
     assert set(_history(run_dir, "rollout/prompts_per_dp_rank").values()) == {dp_share}
 

@@ -2,11 +2,12 @@
 one learner rank and one separate engine, dense sampling (so that any gap between the sampler's
 ``logp_sparse`` and the learner's ``logp_old`` comes from staleness alone), 5 iterations.
 
-* K = 0 and K = 1, each launched once: iteration 1 is the same in both (nothing is stale yet); with
-  K = 1 iteration i >= 2 trains on samples of weights i-1, the learner's dense ``logp_old`` is of its
-  current weights (the mismatch of those rows is far above the staleness-0 rows' float noise), the
-  engine decodes the next batch while the learner trains (``timeline.jsonl``), and the run's reward
-  stays close to K = 0's with the same samples per iteration.
+* K = 1: iteration i >= 2 trains on samples of weights i-1, the learner's dense ``logp_old`` is of
+  its current weights (the mismatch of those rows is far above the staleness-0 rows' float noise), and
+  the engine decodes the next batch while the learner trains (``timeline.jsonl``). (That the first
+  iteration equals the synchronous run's is checked by tests/test_multinode.py with two engines; how
+  K = 1 learns beside K = 0 over 12-20 iterations is measured by tools/bench_overlap.py,
+  docs/benchmarks.md: the tiny task learns too little in 5 iterations to tell.)
 * K = 1 with rank 0 SIGKILLed while it trains iteration 3 (a batch in flight), restarted by the
   launcher from iteration 2's checkpoint (which holds the batch ahead): every metric of iterations
   1-4 and every tensor of iteration 4's checkpoint equal the uninterrupted K = 1 run's. Then the
@@ -37,16 +38,11 @@ def _launch(tmp_path_factory, tiny_model_dir, name: str, staleness: int, *extra:
 
 
 @pytest.fixture(scope="module")
-def synchronous(tmp_path_factory, tiny_model_dir):
-    return _launch(tmp_path_factory, tiny_model_dir, "k0", 0)
-
-
-@pytest.fixture(scope="module")
 def overlapped(tmp_path_factory, tiny_model_dir):
     return _launch(tmp_path_factory, tiny_model_dir, "k1", 1)
 
 
-def test_samples_are_one_version_old_and_corrected_against_current_weights(overlapped, synchronous):
+def test_samples_are_one_version_old_and_corrected_against_current_weights(overlapped):
     run_dir, proc = overlapped
     metrics = metrics_by_iteration(run_dir)
     assert [metrics[i]["rollout/weight_version"] for i in range(ITERATIONS)] == [0, 0, 1, 2, 3]
@@ -60,14 +56,6 @@ def test_samples_are_one_version_old_and_corrected_against_current_weights(overl
         assert "mismatch/k3_staleness0" not in metrics[i]
         assert metrics[i]["mismatch/k3_staleness1"] > 1e-4, metrics[i]
     assert "(samples 1.0 versions old" in proc.stdout
-    # nothing is stale in the first iteration: the same samples, weights and update as K = 0
-    reference = metrics_by_iteration(synchronous[0])
-    for key in ("reward/mean", "rollout/response_len_mean", "train/loss", "mismatch/k3", "sync/max_abs_logprob_diff"):
-        assert metrics[0][key] == reference[0][key], key
-    assert all(reference[i]["rollout/staleness_max"] == 0 for i in range(ITERATIONS))
-    # the same number of samples learns about as well (5 iterations of 16 samples: a loose bound)
-    mean = [sum(m[i]["reward/mean"] for i in range(ITERATIONS)) / ITERATIONS for m in (metrics, reference)]
-    assert abs(mean[0] - mean[1]) < 0.15, mean
 
 
 def test_engine_decodes_while_the_learner_trains(overlapped):
@@ -98,3 +86,28 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, tmp_path_factory, tiny_m
     assert "[engine] every engine restarted and given weights version 4" in proc.stdout  # (one weight group)
     assert (resumed[4]["rollout/weight_version"], resumed[4]["rollout/staleness_max"]) == (4, 0)
     assert uninterrupted[4]["rollout/weight_version"] == 3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_push_schedule_bounds_staleness_by_k(k):
+    """The push rule (``RolloutPipeline.push_due``) over a long run: batch j starts at iteration j-1 with the
+    weights the engines serve then and trains at iteration j; no batch may be more than K versions old,
+    and the engines get weights only as often as that needs (every K-th iteration)."""
+    from types import SimpleNamespace
+
+    from sparse_rl_mega.rollout.pipeline import RolloutPipeline
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k), trainer=SimpleNamespace(iterations=30))
+    pipeline = RolloutPipeline(cfg, SimpleNamespace(release_memory=False), dataset=None)
+    served, started_with, pushes = 0, {0: 0}, []
+    for iteration in range(30):
+        started_with[iteration + 1] = served  # start_ahead after take: the engines' weights now
+        if pipeline.push_due(iteration + 1, served):
+            served = iteration + 1
+            pushes.append(iteration + 1)
+    staleness = [j - started_with[j] for j in range(1, 30)]
+    assert max(staleness) == k and min(staleness) == 1
+    assert pushes == list(range(k, 31, k))
+    # colocated engines on GPUs hold no weights after training: a push after every iteration
+    colocated = RolloutPipeline(cfg, SimpleNamespace(release_memory=True), dataset=None)
+    assert all(colocated.push_due(t, t - 1) for t in range(1, 30))

@@ -187,11 +187,41 @@ def test_unknown_override_is_refused_before_reaching_the_engine(evicting_engine)
         evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2, kv_override={"budget": 5})
 
 
+def test_flush_waits_until_the_engine_is_idle(evicting_engine):
+    """SGLang refuses a flush while a request is running, or has just finished and is still in the
+    scheduler's last batch (until its next idle pass), and says so only in a warning. A request is
+    left running here when the flush is asked: ``flush_cache`` asks again until SGLang empties the
+    cache, so the next request finds nothing of it cached."""
+    import asyncio
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    engine, prompt, answers = evicting_engine, [3, 4, 5, 6, 7, 8, 9, 10, 11], []
+    sglang_flush = engine.engine.flush_cache
+
+    def counted_flush():
+        out = sglang_flush()
+        answers.append(out.success)
+        return out
+    engine.engine.flush_cache = counted_flush  # (SGLang still answers: this only records its answers)
+    try:
+        request = GenerateReqInput(input_ids=prompt, sampling_params={"max_new_tokens": 150, "ignore_eos": True})
+        running = engine.engine.loop.create_task(engine.engine.tokenizer_manager.generate_request(request).__anext__())
+        engine._call("test", engine.engine.loop.run_until_complete, asyncio.sleep(0.3))  # it reaches the scheduler
+        engine.flush_cache()
+        assert running.done() and answers[0] is False and answers[-1] is True, answers
+    finally:
+        del engine.engine.flush_cache
+    (again,) = engine.generate([prompt], n_samples=1, max_new_tokens=1)
+    assert again.cached_tokens == 0
+    engine.flush_cache()
+
+
 @pytest.mark.parametrize("name", ["streaming", "rkv", "h2o"])
 def test_peak_pool_use_of_a_group_is_bounded(evicting_engine, name):
     """A group of n samples holds at most prompt + n x (budget + interval) slots at any time."""
     prompt, n, new_tokens = [3, 4, 5, 6, 7, 8], 4, 40
-    evicting_engine.engine.flush_cache()
+    evicting_engine.flush_cache()
     evicting_engine.kv_stats()  # resets the peak
     evicting_engine.generate([prompt], n_samples=n, max_new_tokens=new_tokens, seed=2,
                              kv_override=POLICY_CASES[name], ignore_eos=True)

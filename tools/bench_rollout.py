@@ -73,7 +73,7 @@ def run_variants(engine, prompts, args, variants) -> dict:
     for name, override in variants:
         seconds, peak, patch_share = float("inf"), 0, {}
         for _ in range(args.repeats):
-            engine.engine.flush_cache()
+            engine.flush_cache()
             before = engine.kv_stats()  # resets the peak and the H2O mass peak
             started = time.perf_counter()
             samples = engine.generate(prompts, n_samples=1, max_new_tokens=args.new_tokens, temperature=1.0, seed=7,

@@ -64,6 +64,7 @@ def _child_crashed(signum, frame) -> None:  # noqa: ARG001 (the engine's calls r
 
 DEFAULT_ENGINE_TIMEOUT_S = 600.0  # no answer for this long is a hang (a 70B bucket takes seconds)
 _POLL_S = 0.25  # how often a waiting call checks the engine's processes
+FLUSH_WAIT_S = 30.0  # an idle engine empties its prefix cache at the second attempt
 
 
 # torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
@@ -424,7 +425,7 @@ class RolloutEngine:
         or one more than the last."""
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
-        self._call("weight push", self.engine.flush_cache)
+        self.flush_cache("weight push")
         self.weight_version = self.weight_version + 1 if version is None else version
         manager = self.engine.tokenizer_manager
         self._call("weight push", self.engine.loop.run_until_complete, manager.update_weight_version(
@@ -435,9 +436,20 @@ class RolloutEngine:
         """The weight version the engine reports serving."""
         return str(self._call("weight push", self.engine.get_model_info)["weight_version"])
 
-    def flush_cache(self) -> None:
-        """Empty the prefix cache (the next rollout starts from the same state whatever ran before)."""
-        self._call("cache flush", self.engine.flush_cache)
+    def flush_cache(self, phase: str = "cache flush") -> None:
+        """Empty the prefix cache (the next rollout starts from the same state whatever ran before).
+
+        SGLang refuses a flush while the batch of a request that just finished is still its last batch
+        (until its next idle pass), answering ``success=False`` with a warning our log level hides: a
+        flush sent right after a request used to fail now and then, leaving that request's prefix cached
+        (rollouts then depended on timing). Each attempt wakes the scheduler, whose idle pass clears that
+        batch: ask again until it succeeds, for at most ``FLUSH_WAIT_S``."""
+        deadline = time.time() + FLUSH_WAIT_S
+        while not self._call(phase, self.engine.flush_cache).success:
+            if time.time() > deadline:
+                self._fail(phase, f"its prefix cache could not be emptied for {FLUSH_WAIT_S:g} s (requests "
+                                  f"still running)")
+            time.sleep(0.005)
 
     # ------------------------------------------------------------------ stats and lifetime
     def kv_stats(self) -> dict:

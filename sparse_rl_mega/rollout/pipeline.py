@@ -121,7 +121,8 @@ class RolloutPipeline:
             return
         self.ahead_iteration = iteration
         if self.fleet.release_memory:
-            self.ahead = self.sample(iteration, iteration - 1, timer)
+            with timer.phase("learner_wait"):
+                self.ahead = self.sample(iteration, iteration - 1, timer)
             return
         if self.fleet.placement is not None:
             try:

@@ -85,6 +85,10 @@ class RolloutPipeline:
         self.ahead: Optional[SampledBatch] = None  # that batch, once collected (or loaded from a checkpoint)
         self.engine_finished_at: Optional[float] = None  # host: when its engine finished its last batch
         self.generated: list[tuple[int, int, float, float]] = []  # (iteration, engine, start, end) since drained
+        if self.max_staleness and fleet.release_memory:
+            log(f"[setup] rollout.max_staleness={self.max_staleness} with colocated engines on GPUs: they hand their "
+                f"memory to the learner while it trains, so the next batch is generated before training (samples "
+                f"one version old, nothing overlaps); rollout.placement: separate overlaps, or set max_staleness: 0")
 
     # ------------------------------------------------------------------ the iteration's samples
     def take(self, iteration: int, timer) -> SampledBatch:

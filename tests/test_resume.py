@@ -102,7 +102,8 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
         assert "[engine] engine 0 (on rank 0) failed in weight push: no answer for" in resumed.stdout
         assert "rollout.engine_timeout_s=4); its scheduler" in resumed.stdout and "is stopped" in resumed.stdout
         assert resumed.stdout.count("restarted and given weights version 3") == 1
-        assert _metrics_at(run_dir, 2, ["engine/restarts"]) == {"engine/restarts": 1.0}
+        # (at least: on a busy machine a 4-s silence in the rollout is a hang too, by this config)
+        assert _metrics_at(run_dir, 2, ["engine/restarts"])["engine/restarts"] >= 1.0
         assert got == expected
         return
     # the learner's numbers agree to float32 summation order (a different layout sums differently)

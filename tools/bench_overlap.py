@@ -48,18 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    """Every metric of the run folder's MLflow run, by iteration (0-based)."""
-    import mlflow
+    """Every metric of the run folder's MLflow store, by iteration (0-based)."""
+    from tools.chaos import metrics_by_iteration
 
-    from sparse_rl_mega.tracking import default_tracking_uri
-
-    client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir))
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    out: dict[int, dict[str, float]] = {}
-    for key in run.data.metrics:
-        for m in client.get_metric_history(run.info.run_id, key):
-            out.setdefault(m.step, {})[key] = m.value
-    return out
+    return metrics_by_iteration(run_dir, skip=())
 
 
 def summarize(runs: list[dict[int, dict[str, float]]]) -> dict[str, float]:

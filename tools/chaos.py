@@ -140,8 +140,9 @@ def final_state(run_dir: Path, iterations: int) -> dict:
     return flat
 
 
-def metrics_by_iteration(run_dir: Path) -> dict[int, dict[str, float]]:
-    """The last value logged for each compared metric at each step, over every run in the store."""
+def metrics_by_iteration(run_dir: Path, skip: tuple[str, ...] = NOT_COMPARED) -> dict[int, dict[str, float]]:
+    """The last value logged for each metric at each step, over every run in the store; metrics whose
+    name starts with one of ``skip`` (default: the ones chaos does not compare) are left out."""
     import mlflow
 
     from sparse_rl_mega.tracking import default_tracking_uri
@@ -152,7 +153,7 @@ def metrics_by_iteration(run_dir: Path) -> dict[int, dict[str, float]]:
     runs = client.search_runs([e.experiment_id for e in experiments], order_by=["attributes.start_time ASC"])
     for run in runs:
         for key in run.data.metrics:
-            if key.startswith(NOT_COMPARED):
+            if skip and key.startswith(skip):
                 continue
             for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp):
                 out.setdefault(m.step, {})[key] = m.value

@@ -61,17 +61,15 @@ class SampledBatch:
     batch: RolloutBatch
     metrics: dict[str, float]   # rollout/, reward/, kv/ and the engines' time/generate_s, time/engine_idle_s
     example: str                # the first response, for the console
-    generated: list[tuple[int, float, float]]  # (engine, started, finished) wall times: the timeline
 
     def state(self) -> dict:
         return {"iteration": self.iteration, "metrics": self.metrics, "example": self.example,
-                "generated": self.generated,
                 "batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}}
 
     @classmethod
     def from_state(cls, state: dict) -> "SampledBatch":
         return cls(iteration=state["iteration"], batch=RolloutBatch(**state["batch"]), metrics=state["metrics"],
-                   example=state["example"], generated=[tuple(g) for g in state["generated"]])
+                   example=state["example"])
 
 
 class RolloutPipeline:
@@ -221,7 +219,7 @@ class RolloutPipeline:
         }
         if dist.get_rank() == 0:
             self.generated += [(iteration, *g) for g in generated]
-        return SampledBatch(iteration, batch, metrics, samples[0].response_text, generated)
+        return SampledBatch(iteration, batch, metrics, samples[0].response_text)
 
     def _start_shard(self, engine: RolloutEngine, iteration: int) -> InFlight:
         """Host: ``engine`` starts on its shard of iteration ``iteration``'s prompts."""

@@ -342,8 +342,7 @@ class Compressor:
         """What ``policy`` scores for these rows: keys ``[n, layers, h, cached, d]`` of the first ``layers``
         layers, their window queries ``[n, layers, q_heads, w, d]`` and H2O mass ``[n, layers, h, cached]``."""
         pool = self.kv_pool
-        keys = torch.stack([pool.get_key_buffer(pool.start_layer + j)[slot_matrix] for j in range(layers)], dim=1)
-        keys = keys.transpose(2, 3)
+        keys = self._gather_layers(pool.get_key_buffer, slot_matrix, layers).transpose(2, 3)
         window_queries = mass = None
         if policy.queries_needed:  # the last ``policy.window`` queries of each ring
             window_queries = self.rows.ring_queries(rows)[:, :layers, :, -policy.window:]
@@ -351,6 +350,19 @@ class Compressor:
             shape = (self.rows.ring_layers(pool.layer_num), keys.shape[2])
             mass = torch.stack([self.rows.mass_of(row, cached, shape, keys.device)[:layers] for row in rows])
         return keys, window_queries, mass
+
+    def _gather_layers(self, buffer_of: Callable[[int], torch.Tensor], slot_matrix: torch.Tensor,
+                       layers: int) -> torch.Tensor:
+        """``[n, layers, cached, h, d]``: the K (or V) buffers of the first ``layers`` layers at
+        ``slot_matrix [n, cached]``, each layer gathered straight into one ``[layers, n * cached, h, d]``
+        tensor (indexing then stacking would copy everything twice)."""
+        first = buffer_of(self.kv_pool.start_layer)
+        n, cached = slot_matrix.shape
+        flat = slot_matrix.reshape(-1)
+        out = torch.empty((layers, n * cached, *first.shape[1:]), dtype=first.dtype, device=first.device)
+        for j in range(layers):
+            torch.index_select(buffer_of(self.kv_pool.start_layer + j), 0, flat, out=out[j])
+        return out.view(layers, n, cached, *first.shape[1:]).transpose(0, 1)
 
     def _choose(self, group: list, cached: int) -> torch.Tensor:
         """Shared selection for requests of one policy and length: ``[n, budget]`` kept positions."""
@@ -388,22 +400,26 @@ class Compressor:
             members.append((i, req, row, slots, owned, destination, extra is not None))
         if not members:
             return []
-        n, layers = len(members), pool.layer_num
+        layers = pool.layer_num
         slot_matrix = torch.stack([m[3] for m in members])  # [n, cached]
         member_rows = [m[2] for m in members]
         keys, window_queries, mass = self._inputs(member_rows, slot_matrix, cached, policy, layers)
-        values = torch.stack([pool.get_value_buffer(pool.start_layer + j)[slot_matrix] for j in range(layers)], dim=1)
-        values = values.transpose(2, 3)  # [n, layers, h, cached, d]
         kept = policy.select_layers(keys, window_queries, budget, mass, gather_heads=self._gather_heads or None)
-        if kept.dim() == 3:  # [n, layers, budget]: one set per layer
-            kept = kept.unsqueeze(2).expand(-1, -1, keys.shape[2], -1)
-        index = kept.unsqueeze(-1).expand(-1, -1, -1, -1, keys.shape[-1])  # [n, layers, h, budget, d]
-        new_keys = keys.gather(3, index).transpose(2, 3)  # [n, layers, budget, h, d]
-        new_values = values.gather(3, index).transpose(2, 3)
         destinations = torch.stack([m[5] for m in members])  # [n, budget]
-        for j in range(layers):
-            pool.get_key_buffer(pool.start_layer + j)[destinations] = new_keys[:, j]
-            pool.get_value_buffer(pool.start_layer + j)[destinations] = new_values[:, j]
+        if kept.dim() == 3:  # [n, layers, budget]: one set per layer, copied slot to slot
+            sources = slot_matrix.unsqueeze(1).expand(-1, layers, -1).gather(2, kept)  # [n, layers, budget]
+            for j in range(layers):
+                for buffer in (pool.get_key_buffer(pool.start_layer + j), pool.get_value_buffer(pool.start_layer + j)):
+                    buffer[destinations] = buffer[sources[:, j]]  # read first: sources overlap destinations
+            kept = kept.unsqueeze(2).expand(-1, -1, keys.shape[2], -1)
+        else:  # [n, layers, h, budget]: a set per KV head
+            values = self._gather_layers(pool.get_value_buffer, slot_matrix, layers).transpose(2, 3)
+            index = kept.unsqueeze(-1).expand(-1, -1, -1, -1, keys.shape[-1])  # [n, layers, h, budget, d]
+            new_keys = keys.gather(3, index).transpose(2, 3)  # [n, layers, budget, h, d]
+            new_values = values.gather(3, index).transpose(2, 3)
+            for j in range(layers):
+                pool.get_key_buffer(pool.start_layer + j)[destinations] = new_keys[:, j]
+                pool.get_value_buffer(pool.start_layer + j)[destinations] = new_values[:, j]
         done = []
         for m, (i, req, row, slots, owned, destination, borrowed) in enumerate(members):
             if row in self.rows.mass:
@@ -426,7 +442,7 @@ class Compressor:
         width = int(lengths.max())
         slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
         layers = self.rows.ring_layers(pool.layer_num)
-        keys = torch.stack([pool.get_key_buffer(pool.start_layer + j)[slots] for j in range(layers)], dim=1)
+        keys = self._gather_layers(pool.get_key_buffer, slots, layers)  # [n, layers, width, h, d]
         queries = self.rows.ring_queries(rows)  # [n, layers, q_heads, window, d]
         n = len(rows)
         mass = window_attention_mass(keys.flatten(0, 1).transpose(1, 2), queries.flatten(0, 1), self.scaling,

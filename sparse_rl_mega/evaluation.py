@@ -60,13 +60,29 @@ def needs_request_override(variants: list[tuple[str, Optional[dict]]]) -> bool:
     return any(override is not None for _, override in variants)
 
 
+def mean_stderr(values: Sequence[float]) -> float:
+    """Standard error of the mean of ``values`` (sample standard deviation / sqrt(n)); 0 for n < 2."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def scalar_items(row: dict) -> dict[str, float]:
+    """The numeric entries of an evaluation row (what is logged as metrics)."""
+    return {key: float(value) for key, value in row.items() if isinstance(value, (int, float))}
+
+
 def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Sequence[str], scorer,
                        variants: list[tuple[str, Optional[dict]]], *, n_samples: int, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, seed: int = 0,
                        log: Optional[Callable[[str], None]] = None, name: str = "eval") -> dict[str, dict]:
     """Decode every prompt ``n_samples`` times under each KV variant; returns per variant label:
     ``mean_at_k`` (mean correctness of all samples), ``pass_at_k``, ``response_tokens_mean``,
-    ``truncated_fraction``, ``boxed_fraction``, ``evicted_tokens_per_sample``, ``problems``, ``samples_per_problem``, ``seconds``."""
+    ``mean_at_k_stderr`` (standard error of ``mean_at_k`` over problems), ``truncated_fraction``,
+    ``boxed_fraction``, ``evicted_tokens_per_sample``, ``problems``, ``samples_per_problem``, ``seconds``
+    and ``correct_per_problem`` (correct samples of each prompt, in prompt order)."""
     results: dict[str, dict] = {}
     k = n_samples
     for label, override in variants:
@@ -81,12 +97,14 @@ def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Seq
         row = {
             "problems": len(prompts_ids), "samples_per_problem": k,
             "mean_at_k": sum(correct) / (k * len(prompts_ids)),
+            "mean_at_k_stderr": mean_stderr([c / k for c in correct]),
             "pass_at_k": sum(pass_at_k(k, c, k) for c in correct) / len(prompts_ids),
             "response_tokens_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "boxed_fraction": sum(boxed) / len(samples),
             "evicted_tokens_per_sample": evicted / len(samples),
             "seconds": time.perf_counter() - started,
+            "correct_per_problem": correct,  # a list: kept in eval files, not logged as a metric
         }
         results[label] = row
         if log is not None:

@@ -260,7 +260,7 @@ class Trainer:
     def evaluate(self, trained_iterations: int) -> dict[str, float]:
         """Rank 0: held-out accuracy of the weights the engine serves; returns ``eval/...`` metrics and
         appends to ``<run_dir>/eval.json``."""
-        from sparse_rl_mega.evaluation import evaluate_on_engine
+        from sparse_rl_mega.evaluation import evaluate_on_engine, scalar_items
 
         e = self.cfg.eval
         results = evaluate_on_engine(
@@ -273,8 +273,8 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"path": e.path, "n_samples": e.n_samples, "temperature": e.temperature,
                                     "history": self.eval_history}, indent=2))
-        metrics = {f"eval/{label.replace(':', '_')}/{key}": float(value)
-                   for label, row in results.items() for key, value in row.items()}
+        metrics = {f"eval/{label.replace(':', '_')}/{key}": value
+                   for label, row in results.items() for key, value in scalar_items(row).items()}
         if self.tracker is not None:
             self.tracker.log_metrics(metrics, step=trained_iterations)
         return metrics

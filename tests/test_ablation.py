@@ -11,7 +11,7 @@ import mlflow
 import pytest
 
 from tests.conftest import ROOT, run_captured, write_test_config
-from tools.ablation import plan, variant_overrides
+from tools.ablation import plan, ratio_with_stderr, variant_overrides
 
 
 def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir):
@@ -24,8 +24,25 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
 
     args = SimpleNamespace(config=str(config), variants="naive,sparse_rl", iterations=2, overrides=[],
                            tracking_uri=None, out=tmp_path / "o")
-    out, runs = plan(args)
+    out, runs, iterations = plan(args)
     assert runs["naive"][-1] == "trainer.iterations=2" and "algorithm.correction.preset=naive" in runs["naive"]
+    assert iterations == {"naive": 2, "sparse_rl": 2}
+
+
+def test_accuracy_ratio_and_its_standard_error():
+    """The delta-method standard error, checked against its expanded form
+    var(r) = (var(x) - 2 r cov(x, y) + r^2 var(y)) / (n mean(y)^2)."""
+    x = [1.0, 0.75, 0.5, 1.0, 0.25, 0.75, 1.0, 0.5]
+    y = [1.0, 1.0, 0.5, 0.75, 0.5, 0.75, 1.0, 0.25]
+    n, mx, my = len(x), sum(x) / len(x), sum(y) / len(y)
+    cov = lambda a, ma, b, mb: sum((u - ma) * (v - mb) for u, v in zip(a, b)) / (n - 1)  # noqa: E731
+    r = mx / my
+    expected = ((cov(x, mx, x, mx) - 2 * r * cov(x, mx, y, my) + r * r * cov(y, my, y, my)) / n) ** 0.5 / my
+    ratio, stderr = ratio_with_stderr(x, y)
+    assert ratio == pytest.approx(r) and stderr == pytest.approx(expected, rel=1e-12)
+    assert ratio_with_stderr(y, y) == (1.0, 0.0)
+    with pytest.raises(ValueError, match="paired"):
+        ratio_with_stderr(x, y[:-1])
 
 
 def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
@@ -56,3 +73,10 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     # the correction differs: naive rejects nothing, sparse_rl rejects tokens of the same rollout
     assert history("naive", "correction/token_rejected_fraction")[0] == 0 and rows["naive"]["token_rejected_mean"] == 0
     assert history("sparse_rl", "correction/token_rejected_fraction")[0] > 0
+
+    # the same command again: both variants finished, nothing is launched, the summary is rewritten
+    again = run_captured([sys.executable, ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
+                          "--iterations", "1", "--out", out, "--set", "checkpoint.save_interval=0"], 120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("finished in") == 2 and "tools/launch.py" not in again.stdout
+    assert json.loads((out / "ablation.json").read_text())["rows"] == result["rows"]

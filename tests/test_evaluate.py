@@ -2,6 +2,7 @@
 of the same prompts; pass@k against brute-force enumeration."""
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
     correct = greedy_correct(hf_model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), rows, 16)
     assert results["dense"]["mean_at_k"] == pytest.approx(sum(correct) / len(correct))
     assert 0 < results["dense"]["mean_at_k"]  # the warmed-up tiny model solves some sums
+    # per problem, in order, and the standard error over problems (statistics' sample deviation)
+    assert results["dense"]["correct_per_problem"] == [int(c) for c in correct]
+    assert results["dense"]["mean_at_k_stderr"] == pytest.approx(statistics.stdev(correct) / len(correct) ** 0.5)
 
     client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(out))
     (run,) = client.search_runs([client.get_experiment_by_name("evaluate").experiment_id])

@@ -13,9 +13,12 @@ Variants (same seed, data, prompts order and sampling seeds; only what the varia
 
 Each variant is one ``tools/launch.py`` run into ``OUT/<variant>``; all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
-``OUT/ablation.png`` (reward, mismatch k3, token rejection and held-out accuracy per iteration),
-``OUT/ablation.md`` (a table) and ``OUT/ablation.json``, and logs them as a summary run. Every
-variant's config is validated before the first one starts.
+``OUT/ablation.png`` (reward, mismatch k3, token rejection, importance weights, evicted tokens and
+held-out accuracy with its standard error), ``OUT/ablation.md`` (a table, with each variant's final
+held-out accuracy as a ratio to the dense variant's) and ``OUT/ablation.json``, and logs them as a
+summary run. Every variant's config is validated before the first one starts. A variant that already
+finished in OUT (its MLflow run ended with every iteration logged) is not run again unless --rerun:
+re-running the command after an interruption continues with the variants still missing.
 """
 from __future__ import annotations
 
@@ -36,7 +39,9 @@ from sparse_rl_mega.config import CORRECTION_PRESETS, ConfigError, load_config  
 EXPERIMENT = "ablation"
 # (metric, axis title) per panel; the last panel is held-out accuracy when the config evaluates
 CURVES = [("reward/mean", "training reward"), ("mismatch/k3", "mismatch k3 (dense vs sparse sampler)"),
-          ("correction/token_rejected_fraction", "token rejection fraction")]
+          ("correction/token_rejected_fraction", "token rejection fraction"),
+          ("correction/is_weight_mean", "importance weight, mean over kept tokens"),
+          ("kv/evicted_tokens_per_sample", "evicted tokens per sample")]
 
 
 def variant_overrides(name: str) -> list[str]:
@@ -59,11 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every variant (repeatable)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out)")
+    p.add_argument("--rerun", action="store_true", help="run variants again even if they finished in --out")
     return p.parse_args(argv)
 
 
-def plan(args) -> tuple[Path, dict[str, list[str]]]:
-    """Validate every variant's config; returns the output folder and each variant's overrides."""
+def plan(args) -> tuple[Path, dict[str, list[str]], dict[str, int]]:
+    """Validate every variant's config; returns the output folder, each variant's overrides and
+    iterations."""
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--variants {args.variants!r}: give distinct variant names")
@@ -71,7 +78,7 @@ def plan(args) -> tuple[Path, dict[str, list[str]]]:
         raise ValueError(f"--iterations must be > 0, got {args.iterations}")
     out = (args.out or ROOT / "runs" / "ablation" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
-    runs = {}
+    runs, iterations = {}, {}
     for name in names:
         overrides = [*args.overrides, *variant_overrides(name), f"trainer.run_dir={out / name}",
                      f"tracking.tracking_uri={tracking}", f"tracking.experiment={EXPERIMENT}",
@@ -83,7 +90,22 @@ def plan(args) -> tuple[Path, dict[str, list[str]]]:
             raise ValueError(f"variant {name}: {args.config} has no KV compression "
                              "(rollout.kv_compression.policy: none), so it would equal 'dense'")
         runs[name] = overrides
-    return out, runs
+        iterations[name] = cfg.trainer.iterations
+    return out, runs, iterations
+
+
+def finished(tracking_uri: str, name: str, iterations: int) -> bool:
+    """Whether variant ``name`` already has a finished run in the store with all ``iterations`` logged."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment is None:
+        return False
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return bool(runs) and runs[0].info.status == "FINISHED" and \
+        len(client.get_metric_history(runs[0].info.run_id, "reward/mean")) == iterations
 
 
 def collect(tracking_uri: str, names: list[str], out: Path) -> dict[str, dict]:
@@ -111,6 +133,27 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def ratio_with_stderr(numerator: list[float], denominator: list[float]) -> tuple[float, float]:
+    """``mean(numerator) / mean(denominator)`` of paired per-problem accuracies (same problems, same
+    order) and its standard error by the delta method: ``sd(x - r y) / (sqrt(n) mean(y))``."""
+    n = len(numerator)
+    if n != len(denominator) or n < 2:
+        raise ValueError(f"need two paired lists of >= 2 problems, got {n} and {len(denominator)}")
+    mean_x, mean_y = sum(numerator) / n, sum(denominator) / n
+    if mean_y == 0:
+        return float("nan"), float("nan")
+    ratio = mean_x / mean_y
+    residuals = [x - ratio * y for x, y in zip(numerator, denominator)]
+    variance = sum(r * r for r in residuals) / (n - 1)  # the residuals have mean 0
+    return ratio, (variance / n) ** 0.5 / mean_y
+
+
+def per_problem(evaluation: dict, label: str) -> list[float]:
+    """Per-problem accuracy (correct / samples) of one evaluation entry."""
+    row = evaluation["results"][label]
+    return [c / row["samples_per_problem"] for c in row["correct_per_problem"]]
+
+
 def summarize(data: dict[str, dict]) -> tuple[list[dict], str]:
     """One row per variant and a markdown table of them."""
     rows = []
@@ -122,12 +165,19 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], str]:
                "reward_first": reward[steps[0]] if steps else float("nan"),
                "reward_last_third": _mean(reward[s] for s in tail),
                "k3_mean": _mean(d["curves"]["mismatch/k3"].values()),
-               "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values())}
+               "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values()),
+               "is_weight_mean": _mean(d["curves"]["correction/is_weight_mean"].values())}
         if d["eval"]:
             first, last = d["eval"][0], d["eval"][-1]
             for label in last["results"]:
                 row[f"eval_{label}_before"] = first["results"].get(label, {}).get("mean_at_k", float("nan"))
                 row[f"eval_{label}_after"] = last["results"][label]["mean_at_k"]
+                row[f"eval_{label}_after_stderr"] = last["results"][label].get("mean_at_k_stderr", float("nan"))
+            dense = data.get("dense", {}).get("eval")
+            if dense and name != "dense" and "correct_per_problem" in last["results"].get("dense", {}) \
+                    and dense[-1]["iteration"] == last["iteration"]:
+                ratio, stderr = ratio_with_stderr(per_problem(last, "dense"), per_problem(dense[-1], "dense"))
+                row["eval_dense_after_ratio_to_dense"], row["eval_dense_after_ratio_stderr"] = ratio, stderr
         rows.append(row)
     keys = list(dict.fromkeys(k for row in rows for k in row))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -145,7 +195,13 @@ def plot(data: dict[str, dict], path: Path) -> None:
 
     has_eval = any(d["eval"] for d in data.values())
     panels = len(CURVES) + int(has_eval)
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.3))
+    columns = min(panels, 3)
+    rows = -(-panels // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(4.4 * columns, 3.3 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    axes = axes[:panels]
     for ax, (key, title) in zip(axes, CURVES):
         for name, d in data.items():
             points = sorted(d["curves"][key].items())
@@ -157,10 +213,11 @@ def plot(data: dict[str, dict], path: Path) -> None:
         for name, d in data.items():
             labels = list(d["eval"][-1]["results"]) if d["eval"] else []
             for label in labels:
-                points = [(h["iteration"], h["results"][label]["mean_at_k"]) for h in d["eval"] if label in h["results"]]
-                ax.plot([i for i, _ in points], [v for _, v in points], marker="o", markersize=3,
-                        linestyle="-" if label == "dense" else "--", label=f"{name} ({label})")
-        ax.set_title("held-out accuracy (mean@k; dense -, sparse --)", fontsize=9)
+                points = [(h["iteration"], h["results"][label]) for h in d["eval"] if label in h["results"]]
+                ax.errorbar([i for i, _ in points], [r["mean_at_k"] for _, r in points],
+                            yerr=[r.get("mean_at_k_stderr", 0.0) for _, r in points], marker="o", markersize=3,
+                            capsize=2, linestyle="-" if label == "dense" else "--", label=f"{name} ({label})")
+        ax.set_title("held-out accuracy, mean@k +- 1 s.e. (dense decoding -)", fontsize=9)
         ax.set_xlabel("iterations trained")
         ax.set_ylim(0, 1)
     for ax in axes:
@@ -176,7 +233,7 @@ def main(argv=None) -> int:
     quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     try:
-        out, runs = plan(args)
+        out, runs, iterations = plan(args)
     except (ConfigError, ValueError) as exc:
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
@@ -192,6 +249,10 @@ def main(argv=None) -> int:
     print(f"[ablation] {len(runs)} variant(s): {', '.join(runs)} -> {out}", flush=True)
     failed = []
     for k, (name, overrides) in enumerate(runs.items(), 1):
+        if not args.rerun and finished(tracking, name, iterations[name]):
+            print(f"[ablation] ({k}/{len(runs)}) {name}: finished in {out} already (--rerun runs it again)",
+                  flush=True)
+            continue
         started = time.perf_counter()
         print(f"[ablation] ({k}/{len(runs)}) {name}: tools/launch.py {args.config} "
               + " ".join(f"--set {o}" for o in overrides[len(args.overrides):]), flush=True)

@@ -52,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs per variant; the fastest counts (CPU noise)")
     p.add_argument("--small-pool-fraction", type=float, default=0.45,
                    help="small pool size as a fraction of the slots dense decoding needs for all requests")
+    p.add_argument("--compressed-pool", action="store_true",
+                   help="size the small pool for the compressed batch instead: requests x (prompt + budget + "
+                        "interval + 1) slots, +5 %% (every compressed request runs at once, dense ones queue)")
+    p.add_argument("--pools", default="unbounded,small_pool", help="which engines to run (default: %(default)s)")
+    p.add_argument("--no-dense", action="store_true",
+                   help="skip the dense variant (only each policy's own figures, e.g. its time in compression; "
+                        "no ratios)")
     p.add_argument("--json", default=None, help="write all figures here")
     return p.parse_args(argv)
 
@@ -124,13 +131,23 @@ def main(argv=None) -> int:
         for selection in selections:
             name = policy if selection == "per_layer" else f"{policy}/{selection}"
             variants.append((name, {"policy": policy, "selection": selection}))
-    policies = [name for name, _ in variants[1:]]
+    policies = [name for name, _ in variants[1:]] if not args.no_dense else []
+    if args.no_dense:
+        variants = variants[1:]
     settings = EngineKVSettings(policy="none", allow_request_override=True, compressed_admission=True, **kv)
     dense_need = args.requests * (args.prompt_tokens + args.new_tokens)
-    small_pool = int(dense_need * args.small_pool_fraction)
+    compressed_need = args.requests * (args.prompt_tokens + args.budget + args.interval + 1)
+    small_pool = (int(compressed_need * 1.05) if args.compressed_pool
+                  else int(dense_need * args.small_pool_fraction))
+    pools = [p for p in args.pools.split(",") if p]
+    if not pools or set(pools) - {"unbounded", "small_pool"}:
+        sys.exit(f"--pools {args.pools!r}: expected unbounded and/or small_pool")
 
-    figures = {"config": {**vars(args), "dense_slots_needed": dense_need, "small_pool": small_pool}}
+    figures = {"config": {**vars(args), "dense_slots_needed": dense_need, "compressed_slots_needed": compressed_need,
+                          "small_pool": small_pool}}
     for label, pool in (("unbounded", dense_need * 2 + 1024), ("small_pool", small_pool)):
+        if label not in pools:
+            continue
         print(f"[{label}] engine with a {pool}-slot pool", flush=True)
         engine = RolloutEngine(str(model), settings, max_total_tokens=pool, max_running_requests=args.requests,
                                seed=0)
@@ -140,18 +157,21 @@ def main(argv=None) -> int:
             engine.shutdown()
 
     lines = []
-    for label in ("unbounded", "small_pool"):
+    for label in pools:
         for name, r in figures[label].items():
             lines.append(f"{label}.{name}.tokens_per_s={r['tokens_per_s']:.2f}")
             lines.append(f"{label}.{name}.peak_slots_in_use={r['peak_slots_in_use']}")
     ratios = {}
     for name in policies:
-        ratios[f"peak_slots_ratio.{name}"] = (figures["unbounded"][name]["peak_slots_in_use"]
-                                              / max(figures["unbounded"]["dense"]["peak_slots_in_use"], 1))
-        ratios[f"throughput_ratio_unbounded.{name}"] = (figures["unbounded"][name]["tokens_per_s"]
-                                                        / figures["unbounded"]["dense"]["tokens_per_s"])
-        ratios[f"throughput_ratio_small_pool.{name}"] = (figures["small_pool"][name]["tokens_per_s"]
-                                                         / figures["small_pool"]["dense"]["tokens_per_s"])
+        if "unbounded" in pools:
+            unbounded = figures["unbounded"]
+            ratios[f"peak_slots_ratio.{name}"] = (unbounded[name]["peak_slots_in_use"]
+                                                  / max(unbounded["dense"]["peak_slots_in_use"], 1))
+            ratios[f"throughput_ratio_unbounded.{name}"] = (unbounded[name]["tokens_per_s"]
+                                                            / unbounded["dense"]["tokens_per_s"])
+        if "small_pool" in pools:
+            ratios[f"throughput_ratio_small_pool.{name}"] = (figures["small_pool"][name]["tokens_per_s"]
+                                                             / figures["small_pool"]["dense"]["tokens_per_s"])
     figures["ratios"] = ratios
     print("\n".join(lines))
     print("\n".join(f"{k}={v:.3f}" for k, v in ratios.items()))

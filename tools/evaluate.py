@@ -166,6 +166,7 @@ def log_to_mlflow(results: dict, args, out: Path) -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
 
+    from sparse_rl_mega.evaluation import scalar_items
     from sparse_rl_mega.tracking import default_tracking_uri
 
     mlflow.set_tracking_uri(args.tracking_uri or default_tracking_uri(out))
@@ -174,8 +175,8 @@ def log_to_mlflow(results: dict, args, out: Path) -> None:
         mlflow.log_params({k: str(v) for k, v in vars(args).items()})
         for bench, rows in results.items():
             for variant, row in rows.items():
-                for key, value in row.items():
-                    mlflow.log_metric(f"{bench}/{variant.replace(':', '_')}/{key}", float(value))
+                for key, value in scalar_items(row).items():
+                    mlflow.log_metric(f"{bench}/{variant.replace(':', '_')}/{key}", value)
         mlflow.log_artifact(str(out / "results.json"))
         if (out / "accuracy.png").is_file():
             mlflow.log_artifact(str(out / "accuracy.png"))

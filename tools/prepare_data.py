@@ -23,6 +23,9 @@ imported):
                (add / subtract / multiply / divide exactly), integer answers 1-400, seeded
   sums_train   generated: "What is a + b?" for single digits a, b in 1-9, 49 of the 81 pairs
   sums_test    the other 32 pairs (held out; the split is a function of --seed, default 0)
+  teen_sums_train  generated: "What is a + b?" for a, b in 1-19 with at least one single digit
+               (261 pairs), 133 of them; the harder-compression ablation's training set
+  teen_sums_test   the other 128 pairs (held out, split by --seed)
 
 GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
 for a small model to get reward on CPU: GSM8K problems solved in one or two calculator steps whose
@@ -135,6 +138,8 @@ SOURCES: dict[str, Source] = {
     "easy_arith": Source(None, None, None, lambda seed, count: list(easy_arith(count, seed))),
     "sums_train": Source(None, None, None, lambda seed, count: single_digit_sums("train", seed)),
     "sums_test": Source(None, None, None, lambda seed, count: single_digit_sums("test", seed)),
+    "teen_sums_train": Source(None, None, None, lambda seed, count: teen_sums("train", seed)),
+    "teen_sums_test": Source(None, None, None, lambda seed, count: teen_sums("test", seed)),
 }
 
 
@@ -211,6 +216,20 @@ def single_digit_sums(split: str, seed: int) -> list[Problem]:
     random.Random(seed).shuffle(pairs)
     chosen = pairs[:SUMS_TEST_SIZE] if split == "test" else pairs[SUMS_TEST_SIZE:]
     return [Problem(f"What is {a} + {b}?", str(a + b), f"sums/{a}+{b}", True) for a, b in chosen]
+
+
+TEEN_SUMS_TEST_SIZE = 128
+
+
+def teen_sums(split: str, seed: int) -> list[Problem]:
+    """"What is a + b?" for a, b in 1..19 where at least one is a single digit (261 pairs, answers
+    2-28): shuffled by ``seed``, the first ``TEEN_SUMS_TEST_SIZE`` form ``test``, the other 133
+    ``train``. Enough held-out problems to resolve a few points of accuracy, still easy enough for
+    SmolLM2-135M to start with some reward."""
+    pairs = [(a, b) for a in range(1, 20) for b in range(1, 20) if min(a, b) <= 9]
+    random.Random(seed).shuffle(pairs)
+    chosen = pairs[:TEEN_SUMS_TEST_SIZE] if split == "test" else pairs[TEEN_SUMS_TEST_SIZE:]
+    return [Problem(f"What is {a} + {b}?", str(a + b), f"teen_sums/{a}+{b}", True) for a, b in chosen]
 
 
 # ----------------------------------------------------------------------------- output

@@ -13,7 +13,7 @@ Variants (same seed, data, prompts order and sampling seeds; only what the varia
 
 Each variant is one ``tools/launch.py`` run into ``OUT/<variant>``; all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
-``OUT/ablation.png`` (reward, mismatch k3, token rejection, importance weights, evicted tokens and
+``OUT/ablation.png`` (reward, mismatch k3, token rejection, the largest importance weight, evicted tokens and
 held-out accuracy with its standard error), ``OUT/ablation.md`` (a table, with each variant's final
 held-out accuracy as a ratio to the dense variant's) and ``OUT/ablation.json``, and logs them as a
 summary run. Every variant's config is validated before the first one starts. A variant that already
@@ -40,7 +40,7 @@ EXPERIMENT = "ablation"
 # (metric, axis title) per panel; the last panel is held-out accuracy when the config evaluates
 CURVES = [("reward/mean", "training reward"), ("mismatch/k3", "mismatch k3 (dense vs sparse sampler)"),
           ("correction/token_rejected_fraction", "token rejection fraction"),
-          ("correction/is_weight_mean", "importance weight, mean over kept tokens"),
+          ("correction/is_weight_max", "largest importance weight (their mean is 1)"),
           ("kv/evicted_tokens_per_sample", "evicted tokens per sample")]
 
 
@@ -166,7 +166,7 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], str]:
                "reward_last_third": _mean(reward[s] for s in tail),
                "k3_mean": _mean(d["curves"]["mismatch/k3"].values()),
                "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values()),
-               "is_weight_mean": _mean(d["curves"]["correction/is_weight_mean"].values())}
+               "is_weight_max_mean": _mean(d["curves"]["correction/is_weight_max"].values())}
         if d["eval"]:
             first, last = d["eval"][0], d["eval"][-1]
             for label in last["results"]:

@@ -159,6 +159,19 @@ def test_easy_arith_is_seeded_distinct_and_correct(tmp_path):
             assert a % b == 0
 
 
+def test_teen_sums_split_is_disjoint_complete_and_correct(tmp_path):
+    prepare_data.prepare(["teen_sums_train", "teen_sums_test"], tmp_path, seed=0, log=lambda *_: None)
+    train, test = (read_rows(tmp_path / f"teen_sums_{split}.jsonl") for split in ("train", "test"))
+    pairs = {}
+    for split, rows in (("train", train), ("test", test)):
+        for row in rows:
+            a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", row["prompt"].split("\n")[0]).groups())
+            assert row["label"] == str(a + b) and pairs.setdefault((a, b), split) == split
+    # every pair of 1..19 with a single digit in it, written out once: 19*19 minus the 10*10 two-digit ones
+    expected = {(a, b) for a in range(1, 20) for b in range(1, 20)} - {(a, b) for a in range(10, 20) for b in range(10, 20)}
+    assert set(pairs) == expected and (len(train), len(test)) == (133, 128)
+
+
 def test_missing_package_and_bad_arguments_are_reported(tmp_path, monkeypatch):
     with pytest.raises(prepare_data.PrepareError, match="unknown benchmark"):
         prepare_data.prepare(["gsm8k", "nope"], tmp_path)

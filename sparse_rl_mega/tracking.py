@@ -27,8 +27,9 @@ def default_tracking_uri(run_dir: str | Path) -> str:
 
 
 def _template_path(mlflow_version: str) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "sparse_rl_mega" / f"mlflow-{mlflow_version}-empty.db"
+    from sparse_rl_mega.cache import cache_dir
+
+    return cache_dir() / f"mlflow-{mlflow_version}-empty.db"
 
 
 def seed_sqlite_store(tracking_uri: str) -> None:

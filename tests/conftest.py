@@ -162,12 +162,29 @@ E2E_READERS = ("tests/test_e2e.py", "tests/test_resume.py", "tests/test_multinod
 # handed out first, longest first (pytest.ini: --no-loadscope-reorder keeps this order), so that no long
 # module starts last on its own; the rest follow in file order
 LONGEST = E2E_READERS + ("tests/test_ablation.py", "tests/test_overlap.py", "tests/test_learner.py", "tests/test_layout_invariance.py",
-                         "tests/test_evaluate.py", "tests/test_engine_kv.py", "tests/test_planner.py",
+                         "tests/test_evaluate.py", "tests/test_tools.py", "tests/test_engine_kv.py", "tests/test_planner.py",
                          "tests/test_engine_retraction.py")
 
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+# Test tiers (markers, pytest.ini), for the edit-test loop: ``make test-fast`` runs ``unit`` alone.
+#   unit    pure modules and pure tests (no SGLang engine, no torchrun): under a minute in all
+#   engine  starts a real SGLang engine in the test process
+#   launch  runs torchrun sessions or whole training launches (tools/launch.py and the tools around it)
+# A module's tier comes from this table; a pure test in a heavier module carries @pytest.mark.unit.
+UNIT_MODULES = ("test_config", "test_context_parallel", "test_correction", "test_cpu_shims", "test_data_math",
+                "test_data_reward", "test_gpu", "test_hf_map", "test_kv_policies", "test_math_reward",
+                "test_scale_config", "test_tracking")
+ENGINE_MODULES = ("test_engine_kv", "test_engine_retraction", "test_evaluate")
+TIERS = ("unit", "engine", "launch")
+
+
+def _tier(module: str) -> str:
+    name = Path(module).stem
+    return "unit" if name in UNIT_MODULES else "engine" if name in ENGINE_MODULES else "launch"
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest without xdist (e.g. tools/gpu_check.sh) ignores it
@@ -190,6 +207,9 @@ def pytest_collection_modifyitems(config, items):
         module = _module(item.nodeid)
         if "e2e_run" in getattr(item, "fixturenames", ()) and module not in E2E_READERS:
             raise pytest.UsageError(f"{module} reads e2e_run: add it to E2E_READERS in tests/conftest.py")
+
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(_tier(module))
 
     def rank(item) -> int:
         module = _module(item.nodeid)

@@ -29,6 +29,7 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     assert iterations == {"naive": 2, "sparse_rl": 2}
 
 
+@pytest.mark.unit
 def test_accuracy_ratio_and_its_standard_error():
     """The delta-method standard error, checked against its expanded form
     var(r) = (var(x) - 2 r cov(x, y) + r^2 var(y)) / (n mean(y)^2)."""

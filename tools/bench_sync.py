@@ -2,9 +2,9 @@
 """Weight sync, learner -> engine: time per sync vs bytes moved, beside a plain copy of the same bytes.
 
 Builds the run's learner (its TP/PP layout) and engine exactly as training does, then times
-``Trainer.sync_weights`` (stream the HF-named tensors from every TP/PP rank to rank 0 layer by layer,
-bucket them, push them, flush the cache, set and check the weight version) for each sync method and
-bucket size, and beside it on rank 0:
+``EngineFleet.push_weights`` (stream the HF-named tensors from every TP/PP rank to rank 0 layer by
+layer, bucket them, push them, flush the cache, set and check the weight version) for each sync method
+and bucket size, and beside it on rank 0:
 
 * ``gather``: streaming the tensors to rank 0 without pushing them (the learner-side share);
 * ``copy``: one ``Tensor.copy_`` of the same number of bytes (what moving the bytes costs on this
@@ -60,7 +60,6 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.config import load_config
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
     from sparse_rl_mega.learner.weights import stream_hf_tensors
-    from sparse_rl_mega.ports import free_port
     from sparse_rl_mega.trainer import PhaseTimer, Trainer
 
     cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
@@ -93,13 +92,15 @@ def bench(args: argparse.Namespace) -> None:
             figures.update(bytes=nbytes, gather_s=gather_s, copy_s=copy_s)
             print(f"[bench_sync] {nbytes / 2**20:.1f} MiB of weights; gather to rank 0 {gather_s:.3f} s, "
                   f"plain copy {copy_s:.4f} s", flush=True)
+        fleet, version = trainer.fleet, trainer.fleet.version
         for method in [m for m in args.methods.split(",") if m]:
-            if method == "broadcast" and rank == 0 and trainer.engine._weight_group is None:
-                trainer.engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo" if on_cpu else "nccl")
+            joined = cfg.trainer.sync_method == "broadcast"
             cfg.trainer.sync_method = method
+            if method == "broadcast" and not joined:  # every rank: rank 0 and the engines form the group
+                fleet.form_weight_group()
             for mb in [float(b) for b in args.buckets.split(",") if b]:
                 cfg.trainer.sync_bucket_mb = mb
-                seconds = _fastest(lambda: trainer.sync_weights(PhaseTimer(), None), args.repeats)
+                seconds = _fastest(lambda: fleet.push_weights(None, version, PhaseTimer()), args.repeats)
                 if rank == 0:
                     figures["sync"][f"{method}.{mb:g}MB"] = seconds
                     print(f"[bench_sync] {method} buckets of {mb:g} MB: {seconds:.3f} s per sync", flush=True)

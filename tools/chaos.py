@@ -18,8 +18,13 @@ equal the uninterrupted run's. Not compared:
 holds the initial weights there).
 
 Prints one line per trial and ``exact=K/N``; exit status 0 when every trial is exact. Runs go to
-``--out`` (default ``runs/chaos/<time>``). Checkpoints are saved every iteration (a killed learner
-resumes from the newest).
+``--out`` (default ``runs/chaos/<time>``), each trial's output to ``trialNN.log`` beside its folder.
+Checkpoints are saved every iteration (a killed learner resumes from the newest).
+
+``--fault SPEC`` replays chosen faults instead of drawing them (one trial per ``--fault``; a SPEC is
+what a trial line prints, several faults joined by commas, e.g. ``kill-rank0@train:3+0.1``), and
+``--reference RUN_DIR`` compares with an uninterrupted run made before (same config and overrides,
+checkpoints every iteration) instead of launching one.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
-from sparse_rl_mega.faults import FAULT_ENV, Fault  # noqa: E402
+from sparse_rl_mega.faults import FAULT_ENV, Fault, parse_faults  # noqa: E402
 
 TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher"]
 PHASES = ["rollout", "train", "push", "checkpoint"]
@@ -53,9 +58,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/chaos/<time>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run (repeatable)")
+    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
+                   help="one trial with these faults instead of drawn ones (repeatable), e.g. kill-engine@push:2+0.1")
+    p.add_argument("--reference", type=Path, default=None, metavar="RUN_DIR",
+                   help="an uninterrupted run of the same config to compare with (not launched again)")
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error("--trials must be >= 1")
+    try:
+        args.faults = [parse_faults(spec) for spec in args.faults]
+    except ValueError as error:
+        p.error(f"--fault: {error}")
+    if args.reference is not None and not (args.reference / "mlflow.db").is_file():
+        p.error(f"--reference {args.reference}: no run folder there (no mlflow.db)")
     return args
 
 
@@ -196,26 +211,31 @@ def main(argv=None) -> int:
     base_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
 
     started = time.time()
-    reference_dir = out / "uninterrupted"
-    done = launch(args.config, reference_dir, overrides, base_env, [])
-    if done.returncode != 0:
-        print(f"[chaos] the uninterrupted run failed (status {done.returncode}); see {reference_dir}.log", file=sys.stderr)
-        return 1
+    reference_dir = args.reference
+    if reference_dir is None:
+        reference_dir = out / "uninterrupted"
+        done = launch(args.config, reference_dir, overrides, base_env, [])
+        if done.returncode != 0:
+            print(f"[chaos] the uninterrupted run failed (status {done.returncode}); see {reference_dir}.log",
+                  file=sys.stderr)
+            return 1
     reference = (final_state(reference_dir, iterations), metrics_by_iteration(reference_dir))
-    print(f"[chaos] uninterrupted run: {iterations} iterations in {time.time() - started:.0f} s ({reference_dir})",
-          flush=True)
+    how_made = f"in {time.time() - started:.0f} s" if args.reference is None else "given"
+    print(f"[chaos] uninterrupted run: {iterations} iterations {how_made} ({reference_dir})", flush=True)
 
-    faults = draw_faults(args.trials, iterations, cfg.world_size, args.seed)
+    trials = args.faults or [[f] for f in draw_faults(args.trials, iterations, cfg.world_size, args.seed)]
     exact = 0
-    for n, fault in enumerate(faults, 1):
+    for n, faults in enumerate(trials, 1):
         run_dir = out / f"trial{n:02d}"
-        env = {**base_env, FAULT_ENV: fault.spec(), TRIAL_ENV: str(run_dir)}
-        trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if fault.what == "stop-engine" else [])
+        spec = ",".join(f.spec() for f in faults)
+        kinds = {f.what for f in faults}
+        env = {**base_env, FAULT_ENV: spec, TRIAL_ENV: str(run_dir)}
+        trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if "stop-engine" in kinds else [])
         started = time.time()
         done = launch(args.config, run_dir, trial_overrides, env, ["--max-restarts", "2"])
         how = "recovered in the job"
         leftovers = left_behind(run_dir)  # whatever the fault, nothing of the job may outlive it
-        if done.returncode != 0 and fault.what == "kill-launcher":
+        if done.returncode != 0 and "kill-launcher" in kinds:
             done = launch(args.config, run_dir, trial_overrides, env, ["--resume"])
             how = "launcher killed; started again with --resume"
             leftovers += left_behind(run_dir)
@@ -224,18 +244,17 @@ def main(argv=None) -> int:
             how = "job restarted by the launcher"
         elif "[engine] " in text and "restarting" in text:
             how = "engine restarted"
-        if not (run_dir / f".fault_{fault.spec()}").exists():
-            how += " (the fault did not fire)"
+        if not all((run_dir / f".fault_{f.spec()}").exists() for f in faults):
+            how += " (a fault did not fire)"
         diffs = [f"job failed (status {done.returncode})"] if done.returncode != 0 else \
             compare(reference, (final_state(run_dir, iterations), metrics_by_iteration(run_dir)))
         if leftovers:
             diffs.append(f"processes left after the job ended: {leftovers}")
         exact += not diffs
         verdict = "exact" if not diffs else "DIFFERS: " + "; ".join(diffs[:3]) + (f" (+{len(diffs) - 3})" if len(diffs) > 3 else "")
-        print(f"[chaos] trial {n}/{len(faults)} {fault.spec():<28} {how}, {time.time() - started:.0f} s: {verdict}",
-              flush=True)
-    print(f"[chaos] exact={exact}/{len(faults)} (runs and logs in {out})", flush=True)
-    return 0 if exact == len(faults) else 1
+        print(f"[chaos] trial {n}/{len(trials)} {spec:<28} {how}, {time.time() - started:.0f} s: {verdict}", flush=True)
+    print(f"[chaos] exact={exact}/{len(trials)} (runs and logs in {out})", flush=True)
+    return 0 if exact == len(trials) else 1
 
 
 if __name__ == "__main__":

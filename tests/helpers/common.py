@@ -29,7 +29,10 @@ def init_parallel(tp: int, pp: int, vpp: int = 1, cp: int = 1) -> None:
 
 
 def init_process_group() -> None:
-    torch.set_num_threads(1)
+    import os
+
+    # one thread per rank as in the suite; OMP_NUM_THREADS=2 checks another reduction split
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
 
 

@@ -1,0 +1,91 @@
+"""Every script in tools/ runs in the suite, so none can rot unseen. Here: each one's ``--help`` (run as a
+user runs it, in a fresh process), the data generator against the committed data it made, the GPU
+check's CPU verdict, and one real call of the weight-sync, rollout and chaos tools on the tiny model.
+Elsewhere: launch.py (tests/conftest.py: run_launch, e2e_run), prepare_model.py (tests/test_learner.py), prepare_data.py
+(tests/test_data_math.py), evaluate.py (tests/test_evaluate.py), export_hf.py (tests/test_export_hf.py,
+tests/test_resume.py), ablation.py (tests/test_ablation.py), bench_overlap.py and chaos.py with a chosen
+fault (tests/test_overlap.py), setup_env.sh (every run: `make test` builds the venv with it)."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, TRAIN_DATA, run_captured
+
+SCRIPTS = sorted(p.name for p in (ROOT / "tools").iterdir() if p.suffix in (".py", ".sh") and p.is_file())
+# where each script is run for real (this module or another)
+RUN_BY = {
+    "ablation.py": "tests/test_ablation.py", "bench_overlap.py": "tests/test_overlap.py",
+    "bench_rollout.py": "tests/test_tools.py", "bench_sync.py": "tests/test_tools.py",
+    "chaos.py": "tests/test_overlap.py", "evaluate.py": "tests/test_evaluate.py",
+    "export_hf.py": "tests/test_export_hf.py", "gpu_check.sh": "tests/test_tools.py",
+    "launch.py": "tests/conftest.py", "make_arith_data.py": "tests/test_tools.py",
+    "prepare_data.py": "tests/test_data_math.py", "prepare_model.py": "tests/test_learner.py",
+    "setup_env.sh": "Makefile",
+}
+
+
+@pytest.mark.unit
+def test_every_tool_is_run_somewhere():
+    assert sorted(RUN_BY) == SCRIPTS, "a new script in tools/: run it in a test and list it in RUN_BY"
+    for script, where in RUN_BY.items():
+        assert script in (ROOT / where).read_text(), (script, where)
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.endswith(".py")])
+def test_help(script):
+    done = run_captured([sys.executable, ROOT / "tools" / script, "--help"], 120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.startswith("usage: ") and len(done.stdout.splitlines()) > 3, done.stdout
+    assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.unit
+def test_make_arith_data_writes_the_committed_example_data(tmp_path):
+    done = run_captured([sys.executable, ROOT / "tools" / "make_arith_data.py", tmp_path / "sums.jsonl"], 60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "sums.jsonl").read_bytes() == TRAIN_DATA.read_bytes()
+
+
+def test_gpu_check_on_a_cpu_machine_runs_the_cpu_part_and_says_the_gpu_part_did_not_run():
+    """On a machine without CUDA: exit 2 (a part NOT RUN), the CPU part PASS, log written. (Its CPU part
+    here is one small module: the four it runs by default are in the suite anyway.)"""
+    log = ROOT / "runs" / "gpu_check.log"
+    done = run_captured(["bash", ROOT / "tools" / "gpu_check.sh"], 600,
+                        env={"PYTHON": sys.executable, "GPU_CHECK_CPU_TESTS": "tests/test_cpu_shims.py"})
+    out = done.stdout
+    assert done.returncode == 2, out[-3000:] + done.stderr[-2000:]
+    assert "[gpu_check] NOT RUN GPU subset" in out and "[gpu_check] PASS pure math on this machine" in out, out
+    assert "passed" in log.read_text()
+
+
+def _tiny_config_overrides(model_dir: Path, run_dir: Path) -> list[str]:
+    return [f"--set=model.path={model_dir}", "--set=tracking.enabled=false", f"--set=trainer.run_dir={run_dir}"]
+
+
+def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "sync.json"
+    done = run_captured([sys.executable, ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",
+                         *_tiny_config_overrides(tiny_model_dir, tmp_path / "run"), "--buckets", "1", "--repeats", "1", "--json", out],
+                        600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert sorted(figures["sync"]) == ["broadcast.1MB", "tensor.1MB"] and figures["bytes"] > 0
+    assert all(ratio > 0 for ratio in figures["ratios"].values())
+    assert "sync_over_copy.tensor.1MB=" in done.stdout
+
+
+def test_bench_rollout_compares_a_policy_with_dense_on_the_tiny_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "rollout.json"
+    done = run_captured([sys.executable, ROOT / "tools" / "bench_rollout.py", "--model", tiny_model_dir,
+                         "--requests", "4", "--prompt-tokens", "8", "--new-tokens", "24", "--budget", "12",
+                         "--interval", "2", "--window", "4", "--sink", "2", "--policies", "streaming",
+                         "--selections", "per_layer", "--repeats", "1", "--pools", "unbounded", "--json", out],
+                        600, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    text = json.dumps(figures)
+    assert "streaming" in text and "dense" in text, text[:2000]
+    assert "=" in done.stdout.splitlines()[-1]  # the ratios, last

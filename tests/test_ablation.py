@@ -13,6 +13,10 @@ import pytest
 from tests.conftest import ROOT, run_captured, write_test_config
 from tools.ablation import plan, ratio_with_stderr, variant_overrides
 
+# one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
+ONE_PROCESS = ["--set", "checkpoint.save_interval=0", "--set", "parallel.nproc_per_node=1",
+               "--set", "parallel.pipeline_model_parallel_size=1"]
+
 
 def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir):
     config = write_test_config(tmp_path / "a.yaml", tiny_model_dir, tmp_path / "run")
@@ -51,7 +55,7 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     config = write_test_config(tmp_path / "ablation.yaml", tiny_model_dir, tmp_path / "unused")
     out = tmp_path / "ablation"
     proc = run_captured([sys.executable, ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                         "--iterations", "1", "--out", out, "--set", "checkpoint.save_interval=0"], 600)
+                         "--iterations", "1", "--out", out, *ONE_PROCESS], 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert (out / "ablation.png").stat().st_size > 5000
     result = json.loads((out / "ablation.json").read_text())
@@ -77,7 +81,7 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
 
     # the same command again: both variants finished, nothing is launched, the summary is rewritten
     again = run_captured([sys.executable, ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                          "--iterations", "1", "--out", out, "--set", "checkpoint.save_interval=0"], 120)
+                          "--iterations", "1", "--out", out, *ONE_PROCESS], 120)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count("finished in") == 2 and "tools/launch.py" not in again.stdout
     assert json.loads((out / "ablation.json").read_text())["rows"] == result["rows"]

@@ -150,7 +150,6 @@ def test_gradient_equals_autograd_on_transformers(megatron, reference, layout, d
         factor = _common_factor(ref[mode]["grads"], got[mode]["grads"])
         assert abs(factor - 1) <= (SCALE_TOLERANCE if dtype == "float64" else bound), (layout, dtype, mode, factor)
         diff = _relative_diff(ref[mode]["grads"], got[mode]["grads"], factor if dtype == "float64" else 1.0)
-        print("MEASURED", layout, dtype, mode, diff, bound, factor)
         assert diff <= bound, (layout, dtype, mode, diff, bound)
         assert got[mode]["loss"] == pytest.approx(ref[mode]["loss"], rel=bound)
     if layout == TIED:  # one tensor for input and output embedding: their gradients summed across stages

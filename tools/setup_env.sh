@@ -27,13 +27,18 @@ t0=$(date +%s)
 echo "[setup_env] building $VENV (first run takes 2-4 minutes)"
 "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
-$PIP install -q "setuptools>=77" wheel
+# pip's own notices about index locations of this machine's pip config that do not exist (one line per
+# package looked up, ~180 lines on a fresh venv) say nothing about the project: dropped; all else shows
+pip_install() {
+  $PIP install "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+pip_install -q "setuptools>=77" wheel
 # torch first, on its own, so the CPU wheel is what lands (a CUDA build would be several GB).
-$PIP install -c "$CONSTRAINTS" --no-deps ${TORCH_WHEEL:-torch==2.13.0}
+pip_install -c "$CONSTRAINTS" --no-deps ${TORCH_WHEEL:-torch==2.13.0}
 # Everything else exactly as locked, without the resolver: sglang pins torch 2.14.1 and ~35 CUDA packages
 # that a CPU venv must not get.
 grep -v '^torch==' "$LOCK" > "$VENV/.lock-no-torch.txt"
-$PIP install -c "$CONSTRAINTS" --no-deps -r "$VENV/.lock-no-torch.txt"
+pip_install -c "$CONSTRAINTS" --no-deps -r "$VENV/.lock-no-torch.txt"
 
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 # PyPI's torchvision is a CUDA build whose op library cannot load beside CPU torch; its fake/autograd
@@ -55,7 +60,7 @@ rm -rf "$SITE/sgl_kernel"
 cp -r "$ROOT/tools/cpu_shims/sgl_kernel" "$SITE/sgl_kernel"
 
 # The project (and its SGLang plugin entry point), editable, no dependency resolution.
-$PIP install --no-deps --no-build-isolation -e "$ROOT"
+pip_install --no-deps --no-build-isolation -e "$ROOT"
 
 if "$VENV/bin/python" -m pip list 2>/dev/null | grep -iqE '^(nvidia-|cuda-|flashinfer|sglang-kernel)'; then
   echo "[setup_env] CUDA packages got into a CPU venv" >&2; exit 1

@@ -278,3 +278,21 @@ def test_idle_engine_leaves_the_cpu_to_the_learner(evicting_engine):
     before = used()
     time.sleep(3.0)
     assert used() - before < 1.0  # busy polling would use ~3 CPU-seconds
+
+
+def test_cpu_engine_processes_sample_eagerly(evicting_engine):
+    """SGLang's seeded sampling is a ``torch.compile`` function: on the CPU the engine's processes run
+    without dynamo (a new scheduler's first seeded request would spend ~13 s tracing it and loading
+    inductor's kernel), so after seeded requests no inductor-compiled library is mapped in the scheduler;
+    the trainer's own process keeps its setting."""
+    import os
+
+    import psutil
+
+    evicting_engine.generate([[1, 2, 3]], n_samples=2, max_new_tokens=4, seed=5)
+    schedulers = [p for p in psutil.Process().children(recursive=True) if "scheduler" in p.name()]
+    assert schedulers
+    for scheduler in schedulers:
+        compiled = [m.path for m in scheduler.memory_maps() if "torchinductor" in m.path]
+        assert not compiled, compiled
+    assert "TORCHDYNAMO_DISABLE" not in os.environ

@@ -1,8 +1,18 @@
-"""Eviction policies against independent loop implementations of their published formulas."""
+"""Eviction policies against independent loop implementations of their published formulas.
+
+The policies score in float32 (the engine's buffers); the loops compute in float64. Each comparison's
+bound is that of the float32 computation (tests/helpers/float_bounds.py: softmax_error for each
+probability, gamma_n for every further sum or mean), from the very inputs, not from one CPU's result;
+the alternatives each test tells apart are >= 1e-2 away."""
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from float_bounds import U32, gamma, logit_mass, softmax_error  # noqa: E402
 
 from sparse_rl_mega.kv import POLICIES, build_policy, should_compress
 from sparse_rl_mega.kv.policies import decode_attention_mass, key_redundancy, window_attention_mass
@@ -147,9 +157,14 @@ def test_importance_options_follow_the_published_options(gqa_pool, pool):
     keys, queries = _published_inputs(seed=2, duplicates=False, layers=1, length=40)
     policy = build_policy("snapkv", sink=0, window=8, selection="per_head", kernel=5, gqa_pool=gqa_pool, pool=pool)
     scores = policy.score(keys[0], queries[0])
+    dim, window, older = keys.shape[-1], 8, keys.shape[-2] - 8
+    group = queries.shape[1] // keys.shape[1]
+    # a probability's error, then the group mean of logits (its mass grows by nothing), the window mean
+    # and the pooling (sums of <= group, window, kernel terms of values <= 1)
+    bound = softmax_error(dim, logit_mass(keys[0], queries[0], dim ** -0.5), older) + gamma(group + window + 5, U32)
     for h in range(keys.shape[1]):
         expected = published_importance(keys[0], queries[0], h, gqa_pool=gqa_pool, kernel=5, pool=pool)
-        assert torch.allclose(scores[h].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+        assert torch.allclose(scores[h].double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=bound)
 
 
 def test_rkv_redundancy_penalises_the_older_of_near_duplicates():
@@ -159,7 +174,10 @@ def test_rkv_redundancy_penalises_the_older_of_near_duplicates():
     # each copy's row zeroes its entry to its last copy: column 1 keeps two entries, column 3 one
     # (row 1's), column 4 none (the most recent copy is protected)
     assert redundancy[1] > redundancy[3] > redundancy[4] and torch.isclose(redundancy[4], redundancy[2])
-    assert torch.allclose(redundancy.double(), torch.tensor(published_redundancy(keys, 0), dtype=torch.float64), atol=1e-7)
+    # cosine similarities of unit keys (6 terms, mass <= 1), a column mean (6 terms), a softmax over 6 keys
+    bound = softmax_error(6 + 6, 1.0, 6)
+    assert torch.allclose(redundancy.double(), torch.tensor(published_redundancy(keys, 0), dtype=torch.float64),
+                          rtol=0, atol=bound)
 
 
 def test_selection_keeps_sink_window_and_top_scores():
@@ -205,7 +223,18 @@ def test_decode_attention_mass_sums_group_probabilities():
     keys, queries = _tensors(4)
     mass = decode_attention_mass(keys, queries[:, 0], DIM ** -0.5)
     assert mass.shape == (KV_HEADS, LENGTH)
-    assert torch.allclose(mass.sum(dim=1), torch.full((KV_HEADS,), float(Q_HEADS // KV_HEADS)), atol=1e-6)
+    group = Q_HEADS // KV_HEADS
+    # each head's probabilities sum to 1 within their normaliser's and the final sum's rounding (2 gamma_L
+    # + 2u), summed over the group (+ gamma_group), then summed again over the keys here (gamma_L)
+    bound = group * (2 * gamma(LENGTH, U32) + 2 * U32) + (gamma(group, U32) + gamma(LENGTH, U32)) * group
+    assert torch.allclose(mass.sum(dim=1), torch.full((KV_HEADS,), float(group)), rtol=0, atol=bound)
+
+
+def mass_bound(keys, query, scaling, length: int) -> float:
+    """Error bound of one entry of a float32 attention mass: the group's probabilities summed."""
+    group = query.shape[-2] // keys.shape[-3]
+    one = softmax_error(keys.shape[-1], logit_mass(keys, query, scaling), length)
+    return group * one + gamma(group, U32) * group
 
 
 def reference_attention_mass(keys, query, scaling, length=None, kv_of=None):
@@ -247,7 +276,7 @@ def test_decode_attention_mass_matches_a_per_head_loop():
     mass = decode_attention_mass(keys, query, scaling)
     expected = reference_attention_mass(keys, query, scaling)
     assert mass.dtype == torch.float32 and mass.shape == (kv_heads, length)
-    assert torch.allclose(mass.double(), expected, rtol=0, atol=1e-6)
+    assert torch.allclose(mass.double(), expected, rtol=0, atol=mass_bound(keys, query, scaling, length))
     # the test tells the convention apart: every alternative is far from the reference
     alternatives = {
         "h % kv_heads": reference_attention_mass(keys, query, scaling, kv_of=lambda h: h % kv_heads),
@@ -270,7 +299,7 @@ def test_batched_decode_attention_mass_masks_past_each_length():
     assert mass.shape == (len(lengths), kv_heads, width)
     for r, length in enumerate(lengths):
         expected = reference_attention_mass(keys[r], query[r], scaling, length=length)
-        assert torch.allclose(mass[r].double(), expected, rtol=0, atol=1e-6), r
+        assert torch.allclose(mass[r].double(), expected, rtol=0, atol=mass_bound(keys[r], query[r], scaling, length)), r
         assert torch.all(mass[r, :, length:] == 0)  # empty for the full-length request
     # unmasked, the short requests would spread mass over the junk keys
     assert not torch.allclose(decode_attention_mass(keys, query, scaling)[1], mass[1], atol=1e-2)
@@ -288,7 +317,11 @@ def test_window_attention_mass_equals_step_by_step_mass():
         for i in range(window - count, window):  # query i was decoded with keys [0, position]
             position = length - window + i
             expected[:, :position + 1] += decode_attention_mass(keys[r, :, :position + 1], queries[r, :, i], 0.3)
-        assert torch.allclose(batched[r], expected, atol=1e-6), r
+        # two float32 computations of a sum over `count` steps of masses: each within the bound of its
+        # own, so within twice that of one another (+ the sum over the steps)
+        one = mass_bound(keys[r], queries[r], 0.3, 14)
+        bound = 2 * (count * one + gamma(count, U32) * count * (Q_HEADS // KV_HEADS))
+        assert torch.allclose(batched[r], expected, rtol=0, atol=bound), r
     assert batched[1, :, 12:].abs().max() == 0  # keys past a length get nothing
 
 

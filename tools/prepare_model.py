@@ -113,7 +113,9 @@ def dequantize(gguf: Path, out: Path, log=print) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # (three bars that last a second each; the lines below say it)
     start = time.time()
     log(f"[prepare_model] dequantizing {gguf} ...")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

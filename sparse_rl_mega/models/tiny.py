@@ -109,6 +109,9 @@ def build_tiny_model(out_dir: str | Path, arch: ArchConfig, spec: TinyModelConfi
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one file: our own lines say where it went
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / "sparse_rl_mega.json").write_text(json.dumps({"built_by": "sparse_rl_mega.models.tiny",

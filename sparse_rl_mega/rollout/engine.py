@@ -105,6 +105,27 @@ def _without_launcher_env():
         os.environ.update(saved)
 
 
+@contextmanager
+def _engine_process_env(on_cpu: bool):
+    """The environment SGLang's processes are spawned with: without the launcher's variables, and on the
+    CPU with ``TORCHDYNAMO_DISABLE=1``. SGLang wraps its seeded sampling (``multinomial_with_seed``) in
+    ``torch.compile``; on the CPU every new scheduler process then spends ~13 s (2 cores) tracing and
+    loading inductor's C++ kernel on its first seeded request, or compiles it with gcc on a fresh
+    machine, for a fused kernel that saves microseconds here. Eagerly it samples the same tokens."""
+    dynamo = os.environ.get("TORCHDYNAMO_DISABLE")
+    if on_cpu:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        with _without_launcher_env():
+            yield
+    finally:
+        if on_cpu:
+            if dynamo is None:
+                os.environ.pop("TORCHDYNAMO_DISABLE", None)
+            else:
+                os.environ["TORCHDYNAMO_DISABLE"] = dynamo
+
+
 def cpu_core_groups(parts: int) -> str:
     """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for a CPU engine with ``parts`` TP ranks: this process's
     cores split into ``parts`` groups (``"0-7|8-15"``); with fewer cores than ranks, ranks share cores.
@@ -237,7 +258,7 @@ class RolloutEngine:
         self.kv = kv
         self.model_path = model_path
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
-        with _without_launcher_env(), _own_event_loop():
+        with _engine_process_env(on_cpu), _own_event_loop():
             self.engine = engine_class(**kwargs)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size

@@ -49,3 +49,21 @@ def float64_causal_lm(model_dir):
         if type(module).__name__.endswith("RMSNorm"):
             module.forward = types.MethodType(_rms_norm, module)
     return model
+
+
+def softmax_error(dot_terms: int, logit_mass: float, length: int, unit: float = U32) -> float:
+    """Absolute error bound of one probability ``softmax(z)_j`` (<= 1) computed in float with unit ``unit``
+    from exact inputs, where each logit ``z`` is a scaled dot product of ``dot_terms`` terms whose
+    magnitudes sum to at most ``logit_mass``: the logits carry ``gamma_(n+2) logit_mass`` (the inputs' cast
+    to float adds 2 roundings per term), which a softmax turns into a relative error of twice that
+    (numerator and normaliser); the normaliser's sum over ``length`` terms adds ``gamma_length``; exp,
+    the subtraction of the maximum and the division add a few units (4u)."""
+    return 2 * gamma(dot_terms + 2, unit) * logit_mass + gamma(length, unit) + 4 * unit
+
+
+def logit_mass(keys, queries, scaling: float) -> float:
+    """``scaling x max over (query, key) of sum_i |q_i k_i|`` for ``keys [..., L, d]``, ``queries [..., Q, d]``
+    (leading axes broadcast; any grouping of query heads onto KV heads is covered by taking all pairs)."""
+    k = keys.double().abs().reshape(-1, keys.shape[-1])
+    q = queries.double().abs().reshape(-1, queries.shape[-1])
+    return scaling * float((q @ k.T).max())

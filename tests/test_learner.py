@@ -109,23 +109,24 @@ def float64_bound(result: dict) -> float:
     return ERROR_FACTOR * gamma(result["depth"], U64) * max(1.0, result["max_abs_logit"])
 
 
-def _assert_matches_hf(name: str, result: dict) -> None:
+def _assert_matches_hf(name: str, result: dict, record_property) -> None:
     assert result["same_names"] and result["bit_exact"], (name, result)
     assert result["learner_dtype"] == "torch.float64", result
     bound = float64_bound(result)
     for key in ("max_abs_logit_diff", "max_abs_logprob_diff", "max_abs_entropy_diff"):
+        record_property(f"{name}.{key}", result[key])  # (--junitxml: docs/testing.md)
         assert result[key] <= bound, (name, key, bound, result)
     assert result["entropy_mean"] > 0.1, (name, result)  # a real distribution, not a collapsed one
 
 
 @pytest.mark.parametrize("tp, pp", list(LAYOUTS))
-def test_shards_round_trip_and_logits_match_hf(learner_checks, tiny_model_dir, random_models, tp, pp):
+def test_shards_round_trip_and_logits_match_hf(learner_checks, tiny_model_dir, random_models, tp, pp, record_property):
     models = LAYOUTS[(tp, pp)]
     names = [Path(tiny_model_dir).name, *random_models] if models == "all" else [models]
     results = {name: r for name, r in learner_checks[f"{tp}x{pp}"].items() if name in names}
     assert sorted(results) == sorted(names)
     for name, result in results.items():
-        _assert_matches_hf(name, result)
+        _assert_matches_hf(name, result, record_property)
     if "qwen3-qknorm" in results:
         assert results["qwen3-qknorm"]["qk_layernorm"] and results["qwen3-qknorm"]["head_dim"] == 24
     if "qwen2-bias" in results:
@@ -138,11 +139,11 @@ def test_shards_round_trip_and_logits_match_hf(learner_checks, tiny_model_dir, r
             assert "model.layers.0.mlp.up_proj.weight" in result["errors"]["shape"]
 
 
-def test_smollm2_matches_hf_at_pp2(learner_checks, smollm2_dir):
+def test_smollm2_matches_hf_at_pp2(learner_checks, smollm2_dir, record_property):
     """A real pretrained model (30 layers, 9 / 3 heads, tied embeddings, RoPE theta 1e5) at PP2."""
     result = learner_checks["1x2"][smollm2_dir.name]
     assert (result["family"], result["tied"], result["head_dim"]) == ("llama", True, 64)
-    _assert_matches_hf(smollm2_dir.name, result)
+    _assert_matches_hf(smollm2_dir.name, result, record_property)
 
 
 def test_bfloat16_learner_keeps_the_loaded_weights(tiny_model_dir, tmp_path):

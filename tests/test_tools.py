@@ -1,6 +1,6 @@
 """Every script in tools/ runs in the suite, so none can rot unseen. Here: each one's ``--help`` (run as a
 user runs it, in a fresh process), the data generator against the committed data it made, the GPU
-check's CPU verdict, and one real call of the weight-sync, rollout and chaos tools on the tiny model.
+check's CPU verdict, and one real call of the weight-sync and rollout benchmarks on the tiny model.
 Elsewhere: launch.py (tests/conftest.py: run_launch, e2e_run), prepare_model.py (tests/test_learner.py), prepare_data.py
 (tests/test_data_math.py), evaluate.py (tests/test_evaluate.py), export_hf.py (tests/test_export_hf.py,
 tests/test_resume.py), ablation.py (tests/test_ablation.py), bench_overlap.py and chaos.py with a chosen

@@ -49,7 +49,7 @@ def _policy(case):
                         shared_scores=case.get("shared_scores", "first_layer"), **case.get("params", {}))
 
 
-def _check_samples(samples, hf_model, case, record_property=None):
+def _check_samples(samples, hf_model, case, record_property):
     ref = ReferenceDecoder(hf_model)
     evicted_total = 0
     for s in samples:
@@ -57,14 +57,12 @@ def _check_samples(samples, hf_model, case, record_property=None):
                                              case.get("interval", ENGINE_KV["interval"]))
         assert len(evicted_logp) == len(s.logp_sparse)
         gap = max(abs(a - b) for a, b in zip(evicted_logp, s.logp_sparse))
-        if record_property is not None:  # (--junitxml: the spread across CPUs, docs/testing.md)
-            record_property("max_abs_logprob_gap", gap)
+        record_property("max_abs_logprob_gap", gap)  # (--junitxml: the spread across CPUs, docs/testing.md)
         assert gap < TOL, (case, gap)
         if evicted:  # eviction changed the sampler: the dense policy disagrees somewhere
             dense_logp, _ = ref.logprobs(s.prompt_ids, s.response_ids)
             effect = max(abs(a - b) for a, b in zip(dense_logp, s.logp_sparse))
-            if record_property is not None:
-                record_property("eviction_effect", effect)
+            record_property("eviction_effect", effect)
             assert effect > 10 * TOL
         evicted_total += evicted
     return evicted_total

@@ -6,9 +6,7 @@ Elsewhere: launch.py (tests/conftest.py: run_launch, e2e_run), prepare_model.py 
 tests/test_resume.py), ablation.py (tests/test_ablation.py), bench_overlap.py and chaos.py with a chosen
 fault (tests/test_overlap.py), setup_env.sh (every run: `make test` builds the venv with it)."""
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -61,14 +59,11 @@ def test_gpu_check_on_a_cpu_machine_runs_the_cpu_part_and_says_the_gpu_part_did_
     assert "passed" in log.read_text()
 
 
-def _tiny_config_overrides(model_dir: Path, run_dir: Path) -> list[str]:
-    return [f"--set=model.path={model_dir}", "--set=tracking.enabled=false", f"--set=trainer.run_dir={run_dir}"]
-
-
 def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "sync.json"
     done = run_captured([sys.executable, ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",
-                         *_tiny_config_overrides(tiny_model_dir, tmp_path / "run"), "--buckets", "1", "--repeats", "1", "--json", out],
+                         f"--set=model.path={tiny_model_dir}", "--set=tracking.enabled=false",
+                         f"--set=trainer.run_dir={tmp_path / 'run'}", "--buckets", "1", "--repeats", "1", "--json", out],
                         600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     figures = json.loads(out.read_text())
@@ -83,7 +78,7 @@ def test_bench_rollout_compares_a_policy_with_dense_on_the_tiny_model(tiny_model
                          "--requests", "4", "--prompt-tokens", "8", "--new-tokens", "24", "--budget", "12",
                          "--interval", "2", "--window", "4", "--sink", "2", "--policies", "streaming",
                          "--selections", "per_layer", "--repeats", "1", "--pools", "unbounded", "--json", out],
-                        600, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                        600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     figures = json.loads(out.read_text())
     text = json.dumps(figures)

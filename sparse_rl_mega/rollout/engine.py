@@ -23,6 +23,8 @@ import torch
 from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
                                      cuda_graphs_allowed, records_queries, side_buffer_bytes)
 from sparse_rl_mega.kv.policies import build_policy
+from sparse_rl_mega.rollout import forkserver
+from sparse_rl_mega.rollout.forkserver import use_forkserver
 
 
 @dataclass
@@ -258,6 +260,8 @@ class RolloutEngine:
         self.kv = kv
         self.model_path = model_path
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
+        if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
+            use_forkserver()
         with _engine_process_env(on_cpu), _own_event_loop():
             self.engine = engine_class(**kwargs)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
@@ -267,6 +271,7 @@ class RolloutEngine:
         self._caller = ThreadPoolExecutor(1, thread_name_prefix="engine-call")
         self.failure: Optional[EngineFailure] = None
         self.processes = _process_names(self.engine.get_all_child_pids())  # {pid: name}
+        self.forked = on_cpu  # processes are the forkserver's children, not this process's
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None
@@ -479,7 +484,10 @@ class RolloutEngine:
         return dict(states[0].get("sparse_rl_kv", {}))
 
     def shutdown(self) -> None:
-        if self.failure is not None:  # a failed engine may not answer: its processes are killed instead
+        # a failed engine may not answer: its processes are killed instead. SGLang's own shutdown kills
+        # every descendant of this process, a CPU engine's forkserver (and other engines) included;
+        # SIGKILL is what it sends too
+        if self.failure is not None or self.forked:
             self.kill()
             return
         if self.engine is not None:
@@ -491,7 +499,8 @@ class RolloutEngine:
 
     def kill(self) -> None:
         """SIGKILL the engine's processes (scheduler(s), detokenizer and their children) and wait for
-        them; for an engine that failed. This process's other children (reward workers) stay."""
+        them; for an engine that failed, and the shutdown of a CPU engine. This process's other children
+        (reward workers, the CPU engines' forkserver and its other engines) stay."""
         import psutil
 
         if self.engine is None:
@@ -515,8 +524,9 @@ class RolloutEngine:
         for pid in self.processes:  # reap them (multiprocessing would otherwise leave zombies)
             try:
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
+            except ChildProcessError:  # (a forkserver's child: the server reaps it)
                 pass
+        forkserver.forget(self.processes)
         self._release_loop()
         self.engine = None
         if self.on_shutdown is not None:
@@ -570,8 +580,8 @@ class RolloutEngine:
         for pid, name in self.processes.items():
             try:
                 status = psutil.Process(pid).status()
-            except psutil.NoSuchProcess:
-                return f"its {name} process (pid {pid}) is gone"
+            except psutil.NoSuchProcess:  # (a forkserver's child is reaped by the server at once)
+                return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
             if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                 return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
             if status == psutil.STATUS_STOPPED:
@@ -638,7 +648,11 @@ def _process_names(pids: Sequence[int]) -> dict[int, str]:
 
 
 def _exit_description(pid: int) -> str:
-    """`` (killed by signal 9)`` or `` (exit status 1)`` for a dead child (reaps it), else ``""``."""
+    """`` (killed by signal 9)`` or `` (exit status 1)`` for a dead engine process (reaps a child of
+    this process; a forkserver's child reports through the server), else ``""``."""
+    forked = forkserver.exit_description(pid)
+    if forked is not None:
+        return forked
     try:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

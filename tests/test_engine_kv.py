@@ -305,3 +305,48 @@ def test_cpu_engine_processes_sample_eagerly(evicting_engine):
         compiled = [m.path for m in scheduler.memory_maps() if "torchinductor" in m.path]
         assert not compiled, compiled
     assert "TORCHDYNAMO_DISABLE" not in os.environ
+
+
+def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_same_server(evicting_engine,
+                                                                                        tiny_model_dir):
+    """CPU engines fork their processes from one server per process that imported SGLang once
+    (sparse_rl_mega/rollout/forkserver.py). A SIGKILLed scheduler fails the engine's next call with its
+    signal (the exit code comes through the server: the scheduler is not this process's child); the
+    SIGQUIT that a failing SGLang process sends its parent does not end the server: the other engine
+    (the module's) still answers, and a new engine starts as a fork of the same server."""
+    import os
+    import signal
+
+    import psutil
+
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.rollout.engine import EngineFailure, RolloutEngine
+
+    def server_of(engine) -> int:
+        return psutil.Process(next(iter(engine.processes))).ppid()
+
+    server = server_of(evicting_engine)
+    assert server != os.getpid() and psutil.Process(server).ppid() == os.getpid()
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=512,
+                           max_running_requests=4, name="victim")
+    try:
+        assert server_of(engine) == server
+        scheduler = next(pid for pid, name in engine.processes.items() if name == "scheduler")
+        os.kill(scheduler, signal.SIGKILL)
+        with pytest.raises(EngineFailure, match=rf"victim failed in rollout: its scheduler process \(pid {scheduler}\) "
+                                                r"died \(killed by signal 9, SIGKILL\)"):
+            engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)
+    finally:
+        engine.kill()
+    os.kill(server, signal.SIGQUIT)  # what a scheduler that fails (raises) sends its parent
+    time.sleep(0.5)
+    assert psutil.Process(server).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    assert len(evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)) == 1
+    again = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=512,
+                          max_running_requests=4)
+    try:
+        assert server_of(again) == server
+        assert len(again.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)) == 1
+    finally:
+        again.shutdown()
+    assert not set(again.processes) & {p.pid for p in psutil.Process().children(recursive=True)}

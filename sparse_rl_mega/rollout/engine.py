@@ -260,9 +260,9 @@ class RolloutEngine:
         self.kv = kv
         self.model_path = model_path
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
-        if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
-            use_forkserver()
         with _engine_process_env(on_cpu), _own_event_loop():
+            if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
+                use_forkserver()
             self.engine = engine_class(**kwargs)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size

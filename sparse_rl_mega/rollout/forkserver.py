@@ -12,9 +12,9 @@ that environment across and installs it before the process's target runs. Import
 the forkserver's: it is started under the same environment (``RolloutEngine`` starts it inside
 ``_engine_process_env``).
 
-The forkserver is a child of this process and ends when it does (it reads EOF on a pipe); SGLang's
-processes ask for SIGKILL when their parent ends (``PR_SET_PDEATHSIG``), so none outlives the job.
-A failing SGLang process sends SIGQUIT to its parent, which here is the forkserver: it ignores
+The forkserver is a child of this process and asks for SIGKILL when it ends (``PR_SET_PDEATHSIG``,
+however it ends: its pipe would not tell, SGLang's processes hold it open too); SGLang's processes
+ask the same of the server, so none outlives the job. A failing SGLang process sends SIGQUIT to its parent, which here is the forkserver: it ignores
 SIGQUIT (:mod:`sparse_rl_mega.rollout.forkserver_preload`), so one engine's failure does not end the
 server and, through ``PR_SET_PDEATHSIG``, the other engines of this process. Their exit codes come
 through the server (:func:`exit_description`): they are not this process's children.
@@ -24,9 +24,11 @@ Only for CPU engines: a forkserver must not hold CUDA state, and GPU engines kee
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
@@ -35,6 +37,7 @@ PRELOAD = ["sparse_rl_mega.rollout.forkserver_preload",  # first: SIGQUIT ignore
 
 _started: dict[int, "EngineProcess"] = {}  # pid -> process, for exit codes
 _install_lock = threading.Lock()
+_server_thread: Optional[ThreadPoolExecutor] = None  # starts the server; never ends before this process
 
 
 class EngineProcess(ForkServerProcess):
@@ -65,14 +68,19 @@ class _SGLangMultiprocessing:
 
 def use_forkserver() -> None:
     """Make SGLang's engine module start its processes as :class:`EngineProcess` (idempotent; CPU
-    only). The server itself starts with the first process, under the caller's environment."""
+    only), and the server run: started under the caller's environment, from a thread of its own that
+    lives as long as this process (the server asks for SIGKILL when the thread that started it ends, so
+    it must not be an engine's start thread)."""
     import sglang.srt.entrypoints.engine as sglang_engine
 
+    global _server_thread
     with _install_lock:
-        if isinstance(sglang_engine.mp, _SGLangMultiprocessing):
-            return
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        sglang_engine.mp = _SGLangMultiprocessing()
+        if not isinstance(sglang_engine.mp, _SGLangMultiprocessing):
+            multiprocessing.set_forkserver_preload(PRELOAD)
+            sglang_engine.mp = _SGLangMultiprocessing()
+        if _server_thread is None:
+            _server_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-forkserver")
+    _server_thread.submit(multiprocessing.forkserver.ensure_running).result()  # (again if it died)
 
 
 def exit_description(pid: int) -> Optional[str]:

@@ -330,7 +330,7 @@ def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_sam
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=512,
                            max_running_requests=4, name="victim")
     try:
-        assert server_of(engine) == server
+        assert engine.forked and server_of(engine) == server
         scheduler = next(pid for pid, name in engine.processes.items() if name == "scheduler")
         os.kill(scheduler, signal.SIGKILL)
         with pytest.raises(EngineFailure, match=rf"victim failed in rollout: its scheduler process \(pid {scheduler}\) "

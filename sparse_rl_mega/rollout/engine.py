@@ -1,8 +1,9 @@
 """One SGLang rollout engine with the sparse-rl-mega KV patch, and the calls the trainer makes on it.
 
-The engine runs in SGLang's own processes (tokenizer manager here, scheduler and detokenizer
-spawned). KV-compression settings reach the spawned scheduler through the environment (see
-``sglang_patches.settings``); the plugin itself is loaded there through SGLang's entry point.
+The engine runs in SGLang's own processes: tokenizer manager here, scheduler and detokenizer spawned
+(GPU) or forked from a server that imported SGLang once (CPU: ``rollout/forkserver.py``).
+KV-compression settings reach the scheduler through the environment (see ``sglang_patches.settings``);
+the plugin itself is loaded there through SGLang's entry point.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_
                                      cuda_graphs_allowed, records_queries, side_buffer_bytes)
 from sparse_rl_mega.kv.policies import build_policy
 from sparse_rl_mega.rollout import forkserver
-from sparse_rl_mega.rollout.forkserver import use_forkserver
 
 
 @dataclass
@@ -262,7 +262,7 @@ class RolloutEngine:
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
         with _engine_process_env(on_cpu), _own_event_loop():
             if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
-                use_forkserver()
+                forkserver.use_forkserver()
             self.engine = engine_class(**kwargs)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size
@@ -271,7 +271,8 @@ class RolloutEngine:
         self._caller = ThreadPoolExecutor(1, thread_name_prefix="engine-call")
         self.failure: Optional[EngineFailure] = None
         self.processes = _process_names(self.engine.get_all_child_pids())  # {pid: name}
-        self.forked = on_cpu  # processes are the forkserver's children, not this process's
+        self.on_cpu = on_cpu
+        self.forked = any(forkserver.forked(pid) for pid in self.processes)  # (else spawned)
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None
@@ -485,9 +486,9 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         # a failed engine may not answer: its processes are killed instead. SGLang's own shutdown kills
-        # every descendant of this process, a CPU engine's forkserver (and other engines) included;
+        # every descendant of this process, the CPU engines' forkserver (and other engines) included;
         # SIGKILL is what it sends too
-        if self.failure is not None or self.forked:
+        if self.failure is not None or self.on_cpu:
             self.kill()
             return
         if self.engine is not None:
@@ -670,8 +671,9 @@ class EngineStart:
     meanwhile: SGLang's scheduler and detokenizer import and load in their own processes, this thread
     mostly waits for them. :meth:`result` waits, bounded, and re-raises the start's error here.
 
-    The thread then stays parked until the engine shuts down: SGLang's children ask for SIGKILL when
-    the *thread* that spawned them ends (``PR_SET_PDEATHSIG``). SGLang sets no SIGQUIT handler off the
+    The thread then stays parked until the engine shuts down: a GPU engine's children ask for SIGKILL
+    when the *thread* that spawned them ends (``PR_SET_PDEATHSIG``; a CPU engine's are forked by the
+    forkserver, which its own thread starts: ``rollout/forkserver.py``). SGLang sets no SIGQUIT handler off the
     main thread: call :func:`keep_process_on_child_crash` on the main thread, or a child that dies
     ends this process (SIGQUIT's default action)."""
 

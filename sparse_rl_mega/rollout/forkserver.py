@@ -8,9 +8,9 @@ preloaded (one import), and every engine process after that is a fork of it (wel
 A fork has the forkserver's memory but not the caller's environment at the time of the start, which
 is what ``spawn`` gives and what SGLang's processes read (the KV settings of
 ``sglang_patches.settings``, thread binding, ``TORCHDYNAMO_DISABLE``): :class:`EngineProcess` carries
-that environment across and installs it before the process's target runs. Import-time settings are
-the forkserver's: it is started under the same environment (``RolloutEngine`` starts it inside
-``_engine_process_env``).
+that environment across and installs it before the process's target runs. Settings read at import
+are the server's: it is started under the first engine's environment, and an engine started under
+another one (apart from variables read after the fork) is spawned instead.
 
 The forkserver is a child of this process and asks for SIGKILL when it ends (``PR_SET_PDEATHSIG``,
 however it ends: its pipe would not tell, SGLang's processes hold it open too); SGLang's processes
@@ -32,12 +32,19 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
+from sglang_patches.settings import ENV_VAR
+
 PRELOAD = ["sparse_rl_mega.rollout.forkserver_preload",  # first: SIGQUIT ignored while SGLang imports
            "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
 
 _started: dict[int, "EngineProcess"] = {}  # pid -> process, for exit codes
 _install_lock = threading.Lock()
 _server_thread: Optional[ThreadPoolExecutor] = None  # starts the server; never ends before this process
+_server_environment: Optional[dict[str, str]] = None  # what the server imported SGLang under
+# read by SGLang's processes only after the fork, and set anew for each engine: the KV settings (by the
+# plugin, as it loads), the CPU cores of each TP rank (at thread binding), the engine's run id (by its
+# offloader), and pytest's name of the running test
+READ_AFTER_FORK = frozenset({ENV_VAR, "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_RUN_ID", "PYTEST_CURRENT_TEST"})
 
 
 class EngineProcess(ForkServerProcess):
@@ -59,28 +66,57 @@ class EngineProcess(ForkServerProcess):
 
 
 class _SGLangMultiprocessing:
-    """``multiprocessing`` as SGLang's engine module sees it: its ``Process`` is :class:`EngineProcess`."""
-    Process = EngineProcess
+    """``multiprocessing`` as SGLang's engine module sees it: its ``Process`` is :class:`EngineProcess`
+    under the server's environment, else multiprocessing's own (``spawn``, which SGLang sets)."""
+
+    @property
+    def Process(self):  # noqa: N802 (multiprocessing's name)
+        return EngineProcess if _server_for_this_environment() else multiprocessing.Process
 
     def __getattr__(self, name: str):
         return getattr(multiprocessing, name)
 
 
+def _import_environment() -> dict[str, str]:
+    """The environment that modules may read as they are imported: all of it but the variables read
+    only after the fork (:data:`READ_AFTER_FORK`)."""
+    return {k: v for k, v in os.environ.items() if k not in READ_AFTER_FORK}
+
+
+def _server_for_this_environment() -> bool:
+    """Whether a process started now can be forked: the server is started under the first engine's
+    environment as SGLang launches that engine's first process (SGLang has set its own variables by
+    then), from a thread of its own that lives as long as this process (the server asks for SIGKILL
+    when the thread that started it ends, so it must not be an engine's start thread). An environment
+    other than the server's gets ``spawn``: SGLang reads many settings as its modules are imported (e.g.
+    a test's ``SGLANG_TEST_RETRACT``), and the server imported them under its own."""
+    global _server_environment
+    environment = _import_environment()
+    with _install_lock:
+        if _server_environment is None:
+            _server_environment = environment
+        if environment != _server_environment:
+            return False
+    _server_thread.submit(multiprocessing.forkserver.ensure_running).result()  # (again if it died)
+    return True
+
+
 def use_forkserver() -> None:
-    """Make SGLang's engine module start its processes as :class:`EngineProcess` (idempotent; CPU
-    only), and the server run: started under the caller's environment, from a thread of its own that
-    lives as long as this process (the server asks for SIGKILL when the thread that started it ends, so
-    it must not be an engine's start thread)."""
+    """Make SGLang's engine module start engine processes through :class:`_SGLangMultiprocessing`
+    (idempotent; CPU engines only)."""
     import sglang.srt.entrypoints.engine as sglang_engine
 
     global _server_thread
     with _install_lock:
         if not isinstance(sglang_engine.mp, _SGLangMultiprocessing):
             multiprocessing.set_forkserver_preload(PRELOAD)
-            sglang_engine.mp = _SGLangMultiprocessing()
-        if _server_thread is None:
             _server_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-forkserver")
-    _server_thread.submit(multiprocessing.forkserver.ensure_running).result()  # (again if it died)
+            sglang_engine.mp = _SGLangMultiprocessing()
+
+
+def forked(pid: int) -> bool:
+    """Whether the engine process ``pid`` was forked from the server (not spawned)."""
+    return pid in _started
 
 
 def exit_description(pid: int) -> Optional[str]:

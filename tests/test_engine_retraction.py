@@ -26,8 +26,8 @@ def retracting_engine(tiny_model_dir):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    # (read as SGLang's scheduler module is imported: not by the forkserver's copy, so this one is spawned)
-    assert not engine.forked
+    # (read as SGLang's scheduler module is imported: when an engine of another environment started this
+    # process's forkserver, this one is spawned; sparse_rl_mega/rollout/forkserver.py)
     yield engine
     engine.shutdown()
 

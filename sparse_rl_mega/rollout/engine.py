@@ -581,8 +581,8 @@ class RolloutEngine:
         for pid, name in self.processes.items():
             try:
                 status = psutil.Process(pid).status()
-            except psutil.NoSuchProcess:  # (a forkserver's child is reaped by the server at once)
-                return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
+            except psutil.NoSuchProcess:  # reaped already (a forkserver's child: by the server, at once)
+                status = psutil.STATUS_DEAD
             if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                 return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
             if status == psutil.STATUS_STOPPED:
@@ -649,21 +649,23 @@ def _process_names(pids: Sequence[int]) -> dict[int, str]:
 
 
 def _exit_description(pid: int) -> str:
-    """`` (killed by signal 9)`` or `` (exit status 1)`` for a dead engine process (reaps a child of
-    this process; a forkserver's child reports through the server), else ``""``."""
-    forked = forkserver.exit_description(pid)
-    if forked is not None:
-        return forked
+    """`` (killed by signal 9, SIGKILL)`` or `` (exit status 1)`` for a dead engine process, else ``""``
+    (still running, or its code unknown)."""
+    code = forkserver.exit_code(pid) if forkserver.forked(pid) else _reap_child(pid)
+    if code is None:
+        return ""
+    if code < 0:
+        return f" (killed by signal {-code}, {signal.Signals(-code).name})"
+    return f" (exit status {code})"
+
+
+def _reap_child(pid: int) -> Optional[int]:
+    """The exit code of this process's dead child ``pid`` (reaps it; negative: the signal), else None."""
     try:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return ""
-    if done == 0:
-        return ""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return f" (killed by signal {sig}, {signal.Signals(sig).name})"
-    return f" (exit status {os.WEXITSTATUS(status)})"
+        return None
+    return os.waitstatus_to_exitcode(status) if done else None
 
 
 class EngineStart:
@@ -673,8 +675,8 @@ class EngineStart:
 
     The thread then stays parked until the engine shuts down: a GPU engine's children ask for SIGKILL
     when the *thread* that spawned them ends (``PR_SET_PDEATHSIG``; a CPU engine's are forked by the
-    forkserver, which its own thread starts: ``rollout/forkserver.py``). SGLang sets no SIGQUIT handler off the
-    main thread: call :func:`keep_process_on_child_crash` on the main thread, or a child that dies
+    forkserver, which its own thread starts: ``rollout/forkserver.py``). SGLang sets no SIGQUIT
+    handler off the main thread: call :func:`keep_process_on_child_crash` on the main thread, or a child that dies
     ends this process (SIGQUIT's default action)."""
 
     def __init__(self, *args, **kwargs):

@@ -14,10 +14,11 @@ another one (apart from variables read after the fork) is spawned instead.
 
 The forkserver is a child of this process and asks for SIGKILL when it ends (``PR_SET_PDEATHSIG``,
 however it ends: its pipe would not tell, SGLang's processes hold it open too); SGLang's processes
-ask the same of the server, so none outlives the job. A failing SGLang process sends SIGQUIT to its parent, which here is the forkserver: it ignores
-SIGQUIT (:mod:`sparse_rl_mega.rollout.forkserver_preload`), so one engine's failure does not end the
-server and, through ``PR_SET_PDEATHSIG``, the other engines of this process. Their exit codes come
-through the server (:func:`exit_description`): they are not this process's children.
+ask the same of the server, so none outlives the job. A failing SGLang process sends SIGQUIT to its
+parent, which here is the forkserver: it ignores SIGQUIT
+(:mod:`sparse_rl_mega.rollout.forkserver_preload`), so one engine's failure does not end the server
+and, through ``PR_SET_PDEATHSIG``, the other engines of this process. Their exit codes come through
+the server (:func:`exit_code`): they are not this process's children.
 
 Only for CPU engines: a forkserver must not hold CUDA state, and GPU engines keep SGLang's ``spawn``.
 """
@@ -119,19 +120,12 @@ def forked(pid: int) -> bool:
     return pid in _started
 
 
-def exit_description(pid: int) -> Optional[str]:
-    """`` (killed by signal 9, SIGKILL)`` or `` (exit status 1)`` for a dead :class:`EngineProcess`
-    (waits up to 1 s for the server's report), ``""`` while it runs; None for a pid not started here."""
-    process = _started.get(pid)
-    if process is None:
-        return None
+def exit_code(pid: int) -> Optional[int]:
+    """The exit code of the forked process ``pid`` (negative: the signal), waiting up to 1 s for the
+    server's report; None while it runs."""
+    process = _started[pid]
     process.join(timeout=1.0)  # the server reports the code as it reaps the process: at once
-    code = process.exitcode
-    if code is None:
-        return ""
-    if code < 0:
-        return f" (killed by signal {-code}, {signal.Signals(-code).name})"
-    return f" (exit status {code})"
+    return process.exitcode
 
 
 def forget(pids) -> None:

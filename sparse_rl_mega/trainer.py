@@ -182,7 +182,8 @@ class Trainer:
             self.rollouts.load(self.resumed_from["path"])  # the batch ahead (overlapped rollouts)
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
             self.clock.mark("weights to the engine")
-        engine = f"; engine up in {self.engine_seconds:.1f} s" if self.engine_seconds is not None else ""
+        engine = "" if self.engine_seconds is None else f"; engine up in {self.engine_seconds:.1f} s" + (
+            f" ({self.engine.started})" if self.engine is not None else "")
         log(f"[setup] ready {self.clock.line()} after launch{engine}")
 
     def longest_prompt_tokens(self) -> int:
@@ -552,6 +553,7 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
 
     from sparse_rl_mega.jobs import held_by_launcher, lock_job_folders, lost_a_peer, print_error, report_failure
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
+    from sparse_rl_mega.rollout.placement import hosts_an_engine
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -576,6 +578,10 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     # (rollout.startup_timeout_s) after a failed call (rollout.engine_timeout_s) and a bit more.
     r = cfg.rollout
     timeout = timedelta(seconds=max(1800.0, r.startup_timeout_s + 2 * r.engine_timeout_s + 300.0))
+    if on_cpu and hosts_an_engine(cfg, rank):  # while this process runs one thread (rollout/forkserver.py)
+        from sparse_rl_mega.rollout.engine import preload_cpu_engines
+
+        preload_cpu_engines()
     dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
     trainer = Trainer(cfg, launched_at)
     ok = False

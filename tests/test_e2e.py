@@ -33,15 +33,17 @@ def test_iterations_complete_and_metrics_land_in_mlflow(e2e_run):
 
 
 def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
-    """One line says where start-up went; the dependencies' CPU-only notices (sparse_rl_mega/quiet.py)
-    are filtered in the launcher, the torchrun workers and SGLang's processes alike."""
+    """One line says where start-up went, and that the CPU engine's processes were forked from the
+    rank that hosts it (which imported SGLang once: rollout/forkserver.py); the dependencies' CPU-only
+    notices (sparse_rl_mega/quiet.py) are filtered in the launcher, the torchrun workers and SGLang's
+    processes alike."""
     import re
 
     from sparse_rl_mega.quiet import KNOWN_HARMLESS
 
     _, proc = e2e_run
     ready = re.search(r"\[setup\] ready ([\d.]+) s \(launch and imports [\d.]+, learner [\d.]+, .*MLflow [\d.]+.*\) "
-                      r"after launch; engine up in [\d.]+ s", proc.stdout)
+                      r"after launch; engine up in [\d.]+ s \(forked from this process\)", proc.stdout)
     assert ready, proc.stdout[:3000]
     assert 0 < float(ready.group(1)) < 300
     assert "[done] shut down in" in proc.stdout

@@ -41,6 +41,7 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
                            "--interval", "2", "--max-new-tokens", "16", "--reward", "exact_answer", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "(forked from this process)" in proc.stdout  # SGLang imported once (rollout/forkserver.py)
     results = json.loads((out / "results.json").read_text())["results"]["sums"]
     assert set(results) == {"dense", "streaming:8"} and (out / "accuracy.png").stat().st_size > 1000
 

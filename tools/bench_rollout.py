@@ -116,8 +116,9 @@ def main(argv=None) -> int:
     import torch
 
     from sglang_patches.settings import EngineKVSettings
-    from sparse_rl_mega.rollout.engine import RolloutEngine
+    from sparse_rl_mega.rollout.engine import RolloutEngine, preload_cpu_engines
 
+    preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)
     torch.manual_seed(0)
     model = Path(args.model)
     ensure_model(model)

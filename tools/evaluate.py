@@ -113,7 +113,7 @@ def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print)
                                 interval=args.interval)
     started = time.perf_counter()
     engine = RolloutEngine(str(model_dir), settings, seed=args.seed, max_total_tokens=args.max_total_tokens)
-    log(f"[evaluate] engine up in {time.perf_counter() - started:.1f} s")
+    log(f"[evaluate] engine up in {time.perf_counter() - started:.1f} s ({engine.started})")
     results: dict = {}
     try:
         with build_scorer(RewardConfig(type=args.reward)) as scorer:
@@ -188,6 +188,9 @@ def main(argv=None) -> int:
     quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
     variants = parse_kv(args.kv)
+    from sparse_rl_mega.rollout.engine import preload_cpu_engines
+
+    preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)
     out = Path(args.out or ROOT / "runs" / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     benchmarks = load_benchmarks(args.benchmarks, Path(args.data_dir), args.limit)

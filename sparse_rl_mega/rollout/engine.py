@@ -128,6 +128,19 @@ def _engine_process_env(on_cpu: bool):
                 os.environ["TORCHDYNAMO_DISABLE"] = dynamo
 
 
+def preload_cpu_engines() -> bool:
+    """Called first by a process that will start CPU engines (an engine-hosting learner rank, the
+    evaluation and benchmark tools), while it runs one thread: SGLang is imported here under the
+    environment of the engine processes and their server is forked from this process
+    (:func:`forkserver.start_server_here`; ~15 CPU-s less per host than a server that imports it all
+    again). Nothing on a GPU machine (GPU engines are spawned); False when no server was forked."""
+    if torch.cuda.is_available():
+        return False
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # (as RolloutEngine sets it)
+    with _engine_process_env(on_cpu=True):
+        return forkserver.start_server_here()
+
+
 def cpu_core_groups(parts: int) -> str:
     """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for a CPU engine with ``parts`` TP ranks: this process's
     cores split into ``parts`` groups (``"0-7|8-15"``); with fewer cores than ranks, ranks share cores.
@@ -273,6 +286,7 @@ class RolloutEngine:
         self.processes = _process_names(self.engine.get_all_child_pids())  # {pid: name}
         self.on_cpu = on_cpu
         self.forked = any(forkserver.forked(pid) for pid in self.processes)  # (else spawned)
+        self.started = forkserver.how_started(self.processes)  # (said in start-up lines)
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None

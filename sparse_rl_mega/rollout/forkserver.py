@@ -20,14 +20,24 @@ parent, which here is the forkserver: it ignores SIGQUIT
 and, through ``PR_SET_PDEATHSIG``, the other engines of this process. Their exit codes come through
 the server (:func:`exit_code`): they are not this process's children.
 
+A process that will start CPU engines (a learner rank that hosts one, the evaluation and benchmark
+tools) calls :func:`start_server_here` first, while it runs one thread: SGLang's modules are imported
+there once, under the environment of the engine processes, and the server is a fork of that process
+(multiprocessing's own server is a new interpreter that imports them all again: ~15 CPU-s more per
+host). A process with other threads running (a test worker) gets multiprocessing's server at its first
+engine as before: a fork keeps only the calling thread, and locks the others hold would stay locked.
+
 Only for CPU engines: a forkserver must not hold CUDA state, and GPU engines keep SGLang's ``spawn``.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
@@ -42,10 +52,24 @@ _started: dict[int, "EngineProcess"] = {}  # pid -> process, for exit codes
 _install_lock = threading.Lock()
 _server_thread: Optional[ThreadPoolExecutor] = None  # starts the server; never ends before this process
 _server_environment: Optional[dict[str, str]] = None  # what the server imported SGLang under
+_forked_server_pid: Optional[int] = None  # the server forked from this process (start_server_here)
 # read by SGLang's processes only after the fork, and set anew for each engine: the KV settings (by the
 # plugin, as it loads), the CPU cores of each TP rank (at thread binding), the engine's run id (by its
 # offloader), and pytest's name of the running test
 READ_AFTER_FORK = frozenset({ENV_VAR, "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_RUN_ID", "PYTEST_CURRENT_TEST"})
+# set in this process between an early server's imports and an engine's start, by SGLang's engine as
+# it starts (``_set_envs_and_config``, ``handle_environment_variables``) or by the learner; none is read
+# as a module is imported on the CPU (only by GPU or grammar code, or after the fork):
+SET_AFTER_PRELOAD = frozenset({
+    # NCCL, CUDA and GPU-kernel settings
+    "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_MNNVL_ENABLE", "NCCL_GRAPH_MIXING_SUPPORT",
+    "CUDA_DEVICE_MAX_CONNECTIONS", "TRTLLM_ENABLE_PDL", "CUTE_DSL_LOG_LEVEL", "CUTE_DSL_LOG_TO_CONSOLE",
+    "SGLANG_USE_CUDA_IPC_TRANSPORT",
+    # from SGLang's arguments: read at import only by FlashInfer's backends (GPU) and outlines'
+    # jump-forward map (grammar-constrained decoding, which no engine here uses); else when called
+    "SGLANG_ENABLE_TORCH_COMPILE", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_DISABLE_OUTLINES_DISK_CACHE",
+    # Megatron's attention backend for Transformer Engine (learner side)
+    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"})
 
 
 class EngineProcess(ForkServerProcess):
@@ -81,7 +105,7 @@ class _SGLangMultiprocessing:
 def _import_environment() -> dict[str, str]:
     """The environment that modules may read as they are imported: all of it but the variables read
     only after the fork (:data:`READ_AFTER_FORK`)."""
-    return {k: v for k, v in os.environ.items() if k not in READ_AFTER_FORK}
+    return {k: v for k, v in os.environ.items() if k not in READ_AFTER_FORK and k not in SET_AFTER_PRELOAD}
 
 
 def _server_for_this_environment() -> bool:
@@ -115,9 +139,88 @@ def use_forkserver() -> None:
             sglang_engine.mp = _SGLangMultiprocessing()
 
 
+def threads_running() -> int:
+    """Threads of this process, as the kernel counts them (not only Python's); 0 where it cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def start_server_here() -> bool:
+    """Import SGLang's engine and process modules in this process and fork the server from it now:
+    the engines' processes then come from a process that has them already (and this one needs them to
+    drive its engines). Call it first thing, under the environment of the engine processes
+    (``rollout.engine.preload_cpu_engines``). False, with the modules imported but no server, when
+    other threads run here (a fork keeps only the calling thread: locks they hold would stay locked
+    in the server) or a server runs already; the first engine then starts multiprocessing's."""
+    global _server_environment, _forked_server_pid
+    server = multiprocessing.forkserver._forkserver
+    for name in ["sglang.srt.entrypoints.engine", *PRELOAD[1:]]:
+        importlib.import_module(name)
+    if threads_running() != 1 or server._forkserver_pid is not None:
+        return False
+    from multiprocessing import connection, resource_tracker
+
+    resource_tracker.ensure_running()  # (as multiprocessing's server does: engine processes get its pipe)
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    sys.stdout.flush()  # (else what is buffered here would be written again by every forked process)
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the server
+        try:
+            os.close(alive_w)
+            _serve(listener.fileno(), alive_r)
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    # multiprocessing's server record (CPython 3.11's ForkServer), as its ensure_running leaves it
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _server_environment = _import_environment()
+    _forked_server_pid = pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:
+    """The forked server: only the descriptors multiprocessing's server would have (not this process's
+    sockets, lock files or pipes), SIGQUIT ignored and SIGKILL asked for when the process that forked
+    it ends (as ``forkserver_preload`` does in multiprocessing's), then multiprocessing's server loop,
+    which returns when every client has gone."""
+    from sparse_rl_mega.jobs import die_with_parent
+
+    keep = {0, 1, 2, listener_fd, alive_r}
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    die_with_parent()
+    try:
+        multiprocessing.forkserver.main(listener_fd, alive_r, [])
+    except SystemExit:
+        pass
+
+
 def forked(pid: int) -> bool:
     """Whether the engine process ``pid`` was forked from the server (not spawned)."""
     return pid in _started
+
+
+def how_started(pids) -> str:
+    """How the engine processes ``pids`` started, for the engine's start-up line."""
+    if not any(forked(pid) for pid in pids):
+        return "spawned"
+    if multiprocessing.forkserver._forkserver._forkserver_pid == _forked_server_pid:
+        return "forked from this process"
+    return "forked from a preloaded server"
 
 
 def exit_code(pid: int) -> Optional[int]:

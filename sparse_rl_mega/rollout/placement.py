@@ -53,3 +53,11 @@ def prompt_shard(num_prompts: int, num_engines: int, index: int) -> range:
     """The prompts of an iteration that engine ``index`` samples (contiguous, equal shares)."""
     share = num_prompts // num_engines
     return range(index * share, (index + 1) * share)
+
+
+def hosts_an_engine(cfg, rank: int) -> bool:
+    """Whether learner rank ``rank`` drives an engine of the run configured by ``cfg``."""
+    r, p = cfg.rollout, cfg.parallel
+    placements = engine_placements(p.nnodes, p.nproc_per_node, r.num_engines, r.engine_tensor_parallel_size,
+                                   r.placement)
+    return any(e.host_rank == rank for e in placements)

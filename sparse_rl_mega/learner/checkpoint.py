@@ -51,25 +51,20 @@ def _rng_state() -> dict:
     return state
 
 
-_WRITER_MANAGERS: list = []  # keeps the manager below alive (it stops when garbage-collected)
-
-
-def _writer_queue_dies_with_rank() -> None:
-    """Megatron's torch_dist writer collects results through a queue served by a multiprocessing
-    Manager process, made at the first save and kept for the process's life
-    (``filesystem_async._get_write_results_queue``). A Manager outlives a killed parent: make that
-    queue here, with a Manager that gets SIGKILL when this rank ends, however it ends."""
-    from multiprocessing.managers import SyncManager
+def _writer_results_in_process() -> None:
+    """Megatron's torch_dist writer hands the results of its (forked) writer processes to the save
+    through a global queue, by default a queue served by a spawned multiprocessing Manager process
+    made at the first save (``filesystem_async._get_write_results_queue``: ~4 CPU-s on these cores per
+    rank, and a process that a killed rank leaves behind). It is there for asynchronous saves, whose
+    write runs in another process; saves here are synchronous (``dist_checkpointing.save`` runs the
+    write in this process, ``AsyncRequest.execute_sync``): one process puts and gets, and an
+    in-process queue does."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from sparse_rl_mega.jobs import die_with_parent
-
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
-        manager.start(initializer=die_with_parent)
-        _WRITER_MANAGERS.append(manager)
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep_last: int,
@@ -78,7 +73,7 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep
     ``rank0_extra(folder)``: rank 0 writes more files into the checkpoint folder (before the marker)."""
     from megatron.core import dist_checkpointing
 
-    _writer_queue_dies_with_rank()
+    _writer_results_in_process()
 
     root = Path(ckpt_dir)
     target = root / f"iter_{iteration:07d}"

@@ -18,6 +18,7 @@ In the colocated case engine 0's scheduler is killed as that rollout starts: bot
 single-engine run's.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,8 @@ def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
         assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in head_out
         assert "restarting every engine (one weight group)" in head_out
         assert "[engine] every engine restarted and given weights version 0" in head_out
+        # (processes forked from the rank's server again: rollout/forkserver.py)
+        assert re.search(r"every engine restarted .*; forked from this process\)", head_out), head_out[-3000:]
         assert head_out.count("weight broadcast group of 3 members") == 2
         assert _history(run_dir, "engine/restarts") == {0: 1.0}
 

@@ -19,6 +19,7 @@ The uninterrupted run is made by ``tools/bench_overlap.py --staleness 1`` and th
 ``tools/chaos.py --fault ... --reference`` (each tool's smallest real use, at no extra launch).
 """
 import json
+import re
 import sys
 from types import SimpleNamespace
 
@@ -108,6 +109,7 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
     # the engine killed while generating ahead: restarted with weights 4, iteration 5's batch sampled again
     assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in proc.stdout
     assert "[engine] every engine restarted and given weights version 4" in proc.stdout  # (one weight group)
+    assert re.search(r"every engine restarted .*; forked from this process\)", proc.stdout)  # (rollout/forkserver.py)
     assert (resumed[4]["rollout/weight_version"], resumed[4]["rollout/staleness_max"]) == (4, 0)
     assert uninterrupted[4]["rollout/weight_version"] == 3
 

@@ -7,6 +7,7 @@ sequence; weights pushed by broadcast over a gloo group instead of in-process te
 interleaved pipeline (PP=2 with 2 virtual stages: each rank holds layers {0, 2} or {1, 3}) to float32
 summation order: same rollouts (the engine gets the checkpoint's weights), same loss and correction
 (model and Adam moments restored, resharded by dist_checkpointing)."""
+import re
 import sys
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
         assert "[engine] engine 0 (on rank 0) failed in weight push: no answer for" in resumed.stdout
         assert "rollout.engine_timeout_s=4); its scheduler" in resumed.stdout and "is stopped" in resumed.stdout
         assert resumed.stdout.count("restarted and given weights version 3") == 1
+        assert re.search(r"restarted and given .*; forked from this process\)", resumed.stdout)  # (rollout/forkserver.py)
         # (at least: on a busy machine a 4-s silence in the rollout is a hang too, by this config)
         assert _metrics_at(run_dir, 2, ["engine/restarts"])["engine/restarts"] >= 1.0
         assert got == expected

@@ -232,7 +232,8 @@ class EngineFleet:
         which = "every engine" if broadcast else ", ".join(f"engine {f.index}" for f in failed)
         self.log(f"[engine] {which} restarted and given weights version {version} in "
                  f"{time.perf_counter() - started:.1f} s (logprob difference from the learner "
-                 f"{metrics.get('sync/max_abs_logprob_diff', float('nan')):.1e})")
+                 f"{metrics.get('sync/max_abs_logprob_diff', float('nan')):.1e}"
+                 f"{'; ' + self.engine.started if self.engine is not None else ''})")
         return metrics
 
     # ------------------------------------------------------------------ helpers

@@ -68,8 +68,9 @@ SET_AFTER_PRELOAD = frozenset({
     # from SGLang's arguments: read at import only by FlashInfer's backends (GPU) and outlines'
     # jump-forward map (grammar-constrained decoding, which no engine here uses); else when called
     "SGLANG_ENABLE_TORCH_COMPILE", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_DISABLE_OUTLINES_DISK_CACHE",
-    # Megatron's attention backend for Transformer Engine (learner side)
-    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"})
+    # the learner's: Megatron's attention backend for Transformer Engine, MLflow's store (its
+    # ``set_tracking_uri``), which no engine process imports
+    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI"})
 
 
 class EngineProcess(ForkServerProcess):

@@ -1,6 +1,7 @@
 """A job's processes and folders: nothing outlives a killed launcher, a second job on a run folder in
 use is refused with the holder named, and a user's mistake in the data is one line per problem before
-any worker starts. (Engine crashes and hangs during a run: tests/test_resume.py; non-finite steps:
+any worker starts; rendezvous ports are not taken by other connections before torchrun binds them.
+(Engine crashes and hangs during a run: tests/test_resume.py; non-finite steps:
 tests/test_layout_invariance.py; the KV soak: tests/test_engine_retraction.py.)"""
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from tests.conftest import ROOT, TRAIN_DATA, run_launch, write_test_config
 
@@ -81,3 +83,20 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
             except ProcessLookupError:
                 pass
         log.close()
+
+
+@pytest.mark.unit
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """Rendezvous and weight-group ports are picked below the range the OS hands out as local ports of
+    outgoing connections (one of those took a port checked free before torchrun bound it: EADDRINUSE
+    in the suite), free when picked, and not the same at every call."""
+    import socket
+
+    from sparse_rl_mega.ports import LOWEST, ephemeral_range, free_port
+
+    low, _ = ephemeral_range()
+    ports = [free_port() for _ in range(20)]
+    assert all(LOWEST <= port < low for port in ports), (low, ports)
+    assert len(set(ports)) > 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))

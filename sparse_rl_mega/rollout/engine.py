@@ -285,12 +285,16 @@ class RolloutEngine:
         self.failure: Optional[EngineFailure] = None
         self.processes = _process_names(self.engine.get_all_child_pids())  # {pid: name}
         self.on_cpu = on_cpu
-        self.forked = any(forkserver.forked(pid) for pid in self.processes)  # (else spawned)
         self.started = forkserver.how_started(self.processes)  # (said in start-up lines)
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
         self._weight_group = None
         self._weight_backend, self._group_name = "gloo", WEIGHT_GROUP
+
+    @property
+    def forked(self) -> bool:
+        """Whether the engine's processes were forked from a preloaded server (else spawned)."""
+        return self.started != "spawned"
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from sparse_rl_mega.rollout.engine import (WEIGHT_GROUP, EngineFailure, EngineStart, RolloutEngine,
                                            keep_process_on_child_crash)
-from sparse_rl_mega.rollout.placement import engine_placements, weight_group_size
+from sparse_rl_mega.rollout.placement import run_placements, weight_group_size
 from sparse_rl_mega.rollout.supervisor import (EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures,
                                                gather_given)
 
@@ -31,10 +31,9 @@ CHECK_PHASE = "weight sync (logprob check)"
 
 class EngineFleet:
     def __init__(self, cfg, rank: int, faults, log=print):
-        r, p = cfg.rollout, cfg.parallel
+        r = cfg.rollout
         self.cfg, self.rank, self.faults, self.log = cfg, rank, faults, log
-        self.placements = engine_placements(p.nnodes, p.nproc_per_node, r.num_engines,
-                                            r.engine_tensor_parallel_size, r.placement)
+        self.placements = run_placements(cfg)
         mine = [e for e in self.placements if e.host_rank == rank]
         self.placement = mine[0] if mine else None  # the engine this rank hosts
         # colocated engines on GPU give their memory back while the learner trains

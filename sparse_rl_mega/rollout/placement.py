@@ -55,9 +55,12 @@ def prompt_shard(num_prompts: int, num_engines: int, index: int) -> range:
     return range(index * share, (index + 1) * share)
 
 
+def run_placements(cfg) -> list[EnginePlacement]:
+    """The engines of the run configured by ``cfg`` (:func:`engine_placements` of its sections)."""
+    r, p = cfg.rollout, cfg.parallel
+    return engine_placements(p.nnodes, p.nproc_per_node, r.num_engines, r.engine_tensor_parallel_size, r.placement)
+
+
 def hosts_an_engine(cfg, rank: int) -> bool:
     """Whether learner rank ``rank`` drives an engine of the run configured by ``cfg``."""
-    r, p = cfg.rollout, cfg.parallel
-    placements = engine_placements(p.nnodes, p.nproc_per_node, r.num_engines, r.engine_tensor_parallel_size,
-                                   r.placement)
-    return any(e.host_rank == rank for e in placements)
+    return any(e.host_rank == rank for e in run_placements(cfg))

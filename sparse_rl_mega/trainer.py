@@ -184,7 +184,10 @@ class Trainer:
             self.clock.mark("weights to the engine")
         engine = "" if self.engine_seconds is None else f"; engine up in {self.engine_seconds:.1f} s" + (
             f" ({self.engine.started})" if self.engine is not None else "")
-        log(f"[setup] ready {self.clock.line()} after launch{engine}")
+        from sparse_rl_mega.forked_ranks import forked_rank
+
+        ranks = " (ranks forked from the launcher)" if forked_rank() else ""
+        log(f"[setup] ready {self.clock.line()} after launch{ranks}{engine}")
 
     def longest_prompt_tokens(self) -> int:
         """Tokens of the longest training or held-out prompt: bounds H2O's side buffer on a GPU engine."""

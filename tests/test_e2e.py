@@ -33,8 +33,9 @@ def test_iterations_complete_and_metrics_land_in_mlflow(e2e_run):
 
 
 def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
-    """One line says where start-up went, and that the CPU engine's processes were forked from the
-    rank that hosts it (which imported SGLang once: rollout/forkserver.py); the dependencies' CPU-only
+    """One line says where start-up went, that the learner ranks were forked from the launcher (which
+    imported their modules once: sparse_rl_mega/forked_ranks.py) and the CPU engine's processes from the
+    rank that hosts it (rollout/forkserver.py); the dependencies' CPU-only
     notices (sparse_rl_mega/quiet.py) are filtered in the launcher, the torchrun workers and SGLang's
     processes alike."""
     import re
@@ -43,7 +44,8 @@ def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
 
     _, proc = e2e_run
     ready = re.search(r"\[setup\] ready ([\d.]+) s \(launch and imports [\d.]+, learner [\d.]+, .*MLflow [\d.]+.*\) "
-                      r"after launch; engine up in [\d.]+ s \(forked from this process\)", proc.stdout)
+                      r"after launch \(ranks forked from the launcher\); engine up in [\d.]+ s \(forked from this process\)",
+                      proc.stdout)
     assert ready, proc.stdout[:3000]
     assert 0 < float(ready.group(1)) < 300
     assert "[done] shut down in" in proc.stdout

@@ -141,6 +141,15 @@ def preload_cpu_engines() -> bool:
         return forkserver.start_server_here()
 
 
+def import_cpu_engine_modules() -> None:
+    """SGLang's modules imported here under the environment of CPU engine processes, as
+    :func:`preload_cpu_engines` imports them (for a process that forks the engine hosts:
+    ``forked_ranks.py``)."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    with _engine_process_env(on_cpu=True):
+        forkserver.import_engine_modules()
+
+
 def cpu_core_groups(parts: int) -> str:
     """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for a CPU engine with ``parts`` TP ranks: this process's
     cores split into ``parts`` groups (``"0-7|8-15"``); with fewer cores than ranks, ranks share cores.

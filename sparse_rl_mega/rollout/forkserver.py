@@ -37,14 +37,13 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-import socket
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
 from sglang_patches.settings import ENV_VAR
+from sparse_rl_mega import process_server
 
 PRELOAD = ["sparse_rl_mega.rollout.forkserver_preload",  # first: SIGQUIT ignored while SGLang imports
            "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
@@ -70,8 +69,9 @@ SET_AFTER_PRELOAD = frozenset({
     # jump-forward map (grammar-constrained decoding, which no engine here uses); else when called
     "SGLANG_ENABLE_TORCH_COMPILE", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_DISABLE_OUTLINES_DISK_CACHE",
     # the learner's: Megatron's attention backend for Transformer Engine, MLflow's store (its
-    # ``set_tracking_uri``), which no engine process imports
-    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI"})
+    # ``set_tracking_uri``) and telemetry session (set as its client starts, unless
+    # MLFLOW_DISABLE_TELEMETRY), which no engine process imports
+    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI", "_MLFLOW_TELEMETRY_SESSION_ID"})
 
 
 class EngineProcess(ForkServerProcess):
@@ -94,7 +94,19 @@ class EngineProcess(ForkServerProcess):
         # every cache flush, idle sleep and weight reload; again as the KV pool is sized), ~0.4 s each
         # over the whole heap; ~3 of an engine's ~9 CPU-s in a 3-iteration launch of the test config.
         gc.freeze()
+        _tqdm_lock_without_tracker()
         super().run()
+
+
+def _tqdm_lock_without_tracker() -> None:
+    """tqdm's lock across processes (for SGLang's progress bars), made as a fork-context semaphore,
+    which is unlinked at once: one made under SGLang's ``spawn`` default stays registered with the
+    resource tracker until it is freed, and an engine process killed at shutdown (CPU engines end so)
+    would leave it in /dev/shm, or have the tracker report it leaked as the job ends."""
+    from tqdm.std import TqdmDefaultWriteLock
+
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = multiprocessing.get_context("fork").RLock()
 
 
 class _SGLangMultiprocessing:
@@ -146,12 +158,10 @@ def use_forkserver() -> None:
             sglang_engine.mp = _SGLangMultiprocessing()
 
 
-def threads_running() -> int:
-    """Threads of this process, as the kernel counts them (not only Python's); 0 where it cannot tell."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 0
+def import_engine_modules() -> None:
+    """SGLang's engine module and the modules of its processes, imported in this process."""
+    for name in ["sglang.srt.entrypoints.engine", *PRELOAD[1:]]:
+        importlib.import_module(name)
 
 
 def start_server_here() -> bool:
@@ -162,58 +172,18 @@ def start_server_here() -> bool:
     other threads run here (a fork keeps only the calling thread: locks they hold would stay locked
     in the server) or a server runs already; the first engine then starts multiprocessing's."""
     global _server_environment, _forked_server_pid
-    server = multiprocessing.forkserver._forkserver
-    for name in ["sglang.srt.entrypoints.engine", *PRELOAD[1:]]:
-        importlib.import_module(name)
-    if threads_running() != 1 or server._forkserver_pid is not None:
+    import_engine_modules()
+    if not process_server.can_fork_server():
         return False
-    from multiprocessing import connection, resource_tracker
-
-    resource_tracker.ensure_running()  # (as multiprocessing's server does: engine processes get its pipe)
-    listener = socket.socket(socket.AF_UNIX)
-    address = connection.arbitrary_address("AF_UNIX")
-    listener.bind(address)
-    os.chmod(address, 0o600)
-    listener.listen()
-    alive_r, alive_w = os.pipe()
-    sys.stdout.flush()  # (else what is buffered here would be written again by every forked process)
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the server
-        try:
-            os.close(alive_w)
-            _serve(listener.fileno(), alive_r)
-        finally:
-            os._exit(0)
-    os.close(alive_r)
-    listener.close()
-    # multiprocessing's server record (CPython 3.11's ForkServer), as its ensure_running leaves it
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _forked_server_pid = process_server.fork_server(setup=_ignore_sigquit)
     _server_environment = _import_environment()
-    _forked_server_pid = pid
     return True
 
 
-def _serve(listener_fd: int, alive_r: int) -> None:
-    """The forked server: only the descriptors multiprocessing's server would have (not this process's
-    sockets, lock files or pipes), SIGQUIT ignored and SIGKILL asked for when the process that forked
-    it ends (as ``forkserver_preload`` does in multiprocessing's), then multiprocessing's server loop,
-    which returns when every client has gone."""
-    from sparse_rl_mega.jobs import die_with_parent
-
-    keep = {0, 1, 2, listener_fd, alive_r}
-    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+def _ignore_sigquit() -> None:
+    """(In the server) as ``forkserver_preload`` does in multiprocessing's: a failing SGLang process
+    sends SIGQUIT to its parent, the server."""
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    die_with_parent()
-    try:
-        multiprocessing.forkserver.main(listener_fd, alive_r, [])
-    except SystemExit:
-        pass
 
 
 def forked(pid: int) -> bool:

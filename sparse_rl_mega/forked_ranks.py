@@ -1,0 +1,96 @@
+"""Single-node CPU jobs: the learner ranks are forks of a server that imported their modules once.
+
+Every rank of a job imports torch, Megatron-Core and its learner (~10 CPU-s on these 2-core machines),
+and a rank that hosts an engine SGLang and MLflow too (~15 more): on a CPU, start-up is mostly
+imports. ``tools/launch.py`` imports them once (:func:`start_rank_server`), forks multiprocessing's
+forkserver from itself (``process_server.py``) and runs torchrun's agent with a function entrypoint
+and the ``forkserver`` start method: each rank is a fork of that server (torchrun's own path for
+function entrypoints), and runs ``tools/launch.py`` as a script (:func:`run_rank`), as an
+exec'd rank would, under the launcher's environment of that moment plus torchrun's variables.
+
+Modules read some settings as they are imported: the ranks' modules are imported under the launcher's
+environment, SGLang's under the engine processes' (``rollout.engine.preload_cpu_engines``), as an
+exec'd rank would import them; an engine-hosting rank still forks its engines' server from itself.
+
+GPU machines (CUDA state must not be forked) and multi-node jobs (``torchrun tools/launch.py`` on every
+node) exec their ranks as before.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+from typing import Optional
+
+from sparse_rl_mega import process_server
+
+# what a rank imports beyond tools/launch.py: the trainer and, as they are first used, the learner
+# (Megatron-Core), its checkpoints, the engine fleet and MLflow (not its SQL store: it loads pyarrow,
+# whose allocator starts a thread)
+RANK_MODULES = ("sparse_rl_mega.trainer", "sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
+                "sparse_rl_mega.learner.checkpoint", "sparse_rl_mega.learner.weights", "sparse_rl_mega.rollout.fleet",
+                "sparse_rl_mega.tracking")
+# os.environ as the server was forked (the ranks inherit it): what differs in a rank is torchrun's
+_server_environment: Optional[dict[str, str]] = None
+
+
+def start_rank_server(cfg) -> bool:
+    """Import what the ranks of ``cfg`` need, then fork their server from this process (one thread
+    running, no server yet, no GPU). False (nothing forked) where the ranks must be exec'd instead."""
+    global _server_environment
+    import torch
+
+    if torch.cuda.is_available() or cfg.parallel.nnodes != 1 or not process_server.can_fork_server():
+        return False
+    from sparse_rl_mega.rollout.placement import hosts_an_engine
+
+    if any(hosts_an_engine(cfg, rank) for rank in range(cfg.parallel.nproc_per_node)):
+        from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
+
+        import_cpu_engine_modules()
+    for name in RANK_MODULES:
+        importlib.import_module(name)
+    if not process_server.can_fork_server():  # (an import started a thread)
+        return False
+    _server_environment = dict(os.environ)
+    process_server.fork_server()
+    return True
+
+
+def forked_rank() -> bool:
+    """Whether this rank is a fork of the launcher's rank server (said in the start-up line)."""
+    return _server_environment is not None and "LOCAL_RANK" in os.environ
+
+
+def run_rank(environment: dict[str, str], script: str, argv: list[str]) -> None:
+    """A rank (torchrun's function entrypoint, in a fork of the rank server): ``environment`` (the
+    launcher's as it started the job) plus the variables torchrun set for this rank, then ``script``
+    run as ``__main__`` with ``argv``, unbuffered as torchrun's ``python -u`` would run it."""
+    torchrun_vars = {k: v for k, v in os.environ.items() if _server_environment.get(k) != v}
+    try:
+        import setproctitle
+
+        setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
+    except ImportError:
+        pass
+    os.environ.clear()
+    os.environ.update(environment)
+    os.environ.update(torchrun_vars)
+    _own_resource_tracker()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def _own_resource_tracker() -> None:
+    """A rank starts its own resource tracker when it needs one, as an exec'd rank does (a fork of the
+    server is handed the launcher's): semaphores of the rank's SGLang processes, which end killed,
+    stay the rank's, not reported as leaked by the launcher's tracker as the job ends."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+    tracker._fd = tracker._pid = None

@@ -77,20 +77,8 @@ def run_rank(environment: dict[str, str], script: str, argv: list[str]) -> None:
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(torchrun_vars)
-    _own_resource_tracker()
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 
-
-def _own_resource_tracker() -> None:
-    """A rank starts its own resource tracker when it needs one, as an exec'd rank does (a fork of the
-    server is handed the launcher's): semaphores of the rank's SGLang processes, which end killed,
-    stay the rank's, not reported as leaked by the launcher's tracker as the job ends."""
-    from multiprocessing import resource_tracker
-
-    tracker = resource_tracker._resource_tracker
-    if tracker._fd is not None:
-        os.close(tracker._fd)
-    tracker._fd = tracker._pid = None

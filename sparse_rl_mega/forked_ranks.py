@@ -35,27 +35,55 @@ RANK_MODULES = ("sparse_rl_mega.trainer", "sparse_rl_mega.learner.model", "spars
 _server_environment: Optional[dict[str, str]] = None
 
 
-def start_rank_server(cfg) -> bool:
-    """Import what the ranks of ``cfg`` need, then fork their server from this process (one thread
-    running, no server yet, no GPU). False (nothing forked) where the ranks must be exec'd instead."""
+def start_rank_server(modules=RANK_MODULES, engine_modules: bool = False) -> bool:
+    """Import ``modules`` (and SGLang's, under the engine processes' environment, with
+    ``engine_modules``), then fork the ranks' server from this process (one thread running, no server
+    yet, no GPU). False (nothing forked) where the ranks must be exec'd instead."""
     global _server_environment
     import torch
 
-    if torch.cuda.is_available() or cfg.parallel.nnodes != 1 or not process_server.can_fork_server():
+    if torch.cuda.is_available() or not process_server.can_fork_server():
         return False
-    from sparse_rl_mega.rollout.placement import hosts_an_engine
-
-    if any(hosts_an_engine(cfg, rank) for rank in range(cfg.parallel.nproc_per_node)):
+    if engine_modules:
         from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
 
         import_cpu_engine_modules()
-    for name in RANK_MODULES:
+    for name in modules:
         importlib.import_module(name)
     if not process_server.can_fork_server():  # (an import started a thread)
         return False
     _server_environment = dict(os.environ)
     process_server.fork_server()
     return True
+
+
+def start_job_rank_server(cfg) -> bool:
+    """:func:`start_rank_server` for the ranks of a single-node job ``cfg`` (``tools/launch.py``)."""
+    from sparse_rl_mega.rollout.placement import hosts_an_engine
+
+    if cfg.parallel.nnodes != 1:
+        return False
+    hosts = any(hosts_an_engine(cfg, rank) for rank in range(cfg.parallel.nproc_per_node))
+    return start_rank_server(RANK_MODULES, engine_modules=hosts)
+
+
+def run_agent(torchrun_args, forked: bool) -> None:
+    """torchrun's ``run`` for ``torchrun_args`` (its parsed command line; a static rendezvous on this
+    node) with its agent in this process: the ranks are ``python -u`` processes, or with ``forked``
+    forks of the server :func:`start_rank_server` made (a function entrypoint). Raises torchrun's
+    ``ChildFailedError`` when a rank fails."""
+    import torch.multiprocessing
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    torch.multiprocessing._set_thread_name("pt_elastic")  # (as torchrun's run names its agent)
+    config, command, script_args = config_from_args(torchrun_args)
+    if not forked:
+        elastic_launch(config=config, entrypoint=command)(*script_args)
+        return
+    config.start_method = "forkserver"
+    elastic_launch(config=config, entrypoint=run_rank)(dict(os.environ), torchrun_args.training_script,
+                                                      torchrun_args.training_script_args)
 
 
 def forked_rank() -> bool:
@@ -80,5 +108,6 @@ def run_rank(environment: dict[str, str], script: str, argv: list[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # (as python SCRIPT puts it first)
     runpy.run_path(script, run_name="__main__")
 

@@ -89,11 +89,10 @@ def run_captured(command: list, timeout: int, env: Optional[dict] = None) -> sub
 
 
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a helper script under torchrun on loopback with a free port (output captured)."""
-    from tools.launch import free_port
-
-    return run_captured([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
-                         "--master-addr", "127.0.0.1", "--master-port", free_port(), script, *args], timeout)
+    """Run a helper script under torchrun on loopback with a free port (output captured), its ranks
+    forked from a process that imported the learner once (tests/helpers/torchrun_forked.py)."""
+    return run_captured([sys.executable, ROOT / "tests" / "helpers" / "torchrun_forked.py", nproc, script, *args],
+                        timeout)
 
 
 def run_launch(config: Path, *overrides: str, timeout: int = 900, env: Optional[dict] = None

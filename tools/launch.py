@@ -138,7 +138,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser as torchrun_parser
 
-    from sparse_rl_mega.forked_ranks import start_rank_server
+    from sparse_rl_mega.forked_ranks import run_agent, start_job_rank_server
 
     from sparse_rl_mega.faults import LAUNCHER_PID_ENV
     from sparse_rl_mega.jobs import LOCK_HELD_ENV, FolderLocked, lock_job_folders
@@ -152,7 +152,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     os.environ.update({LAUNCHED_AT_ENV: repr(LAUNCHED_AT), LOCK_HELD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())})
     overrides = list(args.overrides)
     print(describe_layout(cfg), flush=True)
-    forked = start_rank_server(cfg)  # CPU: ranks forked from here, modules imported once (forked_ranks.py)
+    forked = start_job_rank_server(cfg)  # CPU: ranks forked from here, modules imported once (forked_ranks.py)
     try:
         for attempt in range(args.max_restarts + 1):
             if attempt:  # a restart's start-up is counted from its own start
@@ -161,7 +161,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
                        "--master-port", str(free_port()), str(Path(__file__).resolve()), args.config] + \
                       [f"--set={item}" for item in overrides]
             try:
-                _torchrun(torchrun_parser().parse_args(command), forked)
+                run_agent(torchrun_parser().parse_args(command), forked)
                 return 0
             except ChildFailedError as exc:
                 rank, failure = exc.get_first_failure()
@@ -182,25 +182,6 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     finally:
         for lock in locks:
             lock.release()
-
-
-def _torchrun(torchrun_args: argparse.Namespace, forked: bool) -> None:
-    """torchrun's ``run`` (a static rendezvous on this node): its agent starts the ranks as
-    ``python -u`` processes, or with ``forked``, as forks of the rank server (function entrypoint)."""
-    import torch.multiprocessing
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args
-
-    from sparse_rl_mega.forked_ranks import run_rank
-
-    torch.multiprocessing._set_thread_name("pt_elastic")  # (as torchrun's run names its agent)
-    config, command, script_args = config_from_args(torchrun_args)
-    if not forked:
-        elastic_launch(config=config, entrypoint=command)(*script_args)
-        return
-    config.start_method = "forkserver"
-    elastic_launch(config=config, entrypoint=run_rank)(dict(os.environ), torchrun_args.training_script,
-                                                      torchrun_args.training_script_args)
 
 
 def main(argv=None) -> int:

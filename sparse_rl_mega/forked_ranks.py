@@ -11,6 +11,9 @@ exec'd rank would, under the launcher's environment of that moment plus torchrun
 Modules read some settings as they are imported: the ranks' modules are imported under the launcher's
 environment, SGLang's under the engine processes' (``rollout.engine.preload_cpu_engines``), as an
 exec'd rank would import them; an engine-hosting rank still forks its engines' server from itself.
+Megatron-Core is imported before the rank installs the CPU shims (``learner/cpu_shims.py``): they
+replace ``torch.cuda`` functions that Megatron looks up as it calls them, not names it binds at import.
+The suite's torchrun sessions start their ranks the same way (``tests/helpers/torchrun_forked.py``).
 
 GPU machines (CUDA state must not be forked) and multi-node jobs (``torchrun tools/launch.py`` on every
 node) exec their ranks as before.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,11 +59,15 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.config import load_config
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
     from sparse_rl_mega.learner.weights import stream_hf_tensors
+    from sparse_rl_mega.rollout.engine import preload_cpu_engines
+    from sparse_rl_mega.rollout.placement import hosts_an_engine
     from sparse_rl_mega.trainer import PhaseTimer, Trainer
 
     cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
     on_cpu = apply_if_cpu()
     torch.set_num_threads(cfg.trainer.torch_threads)
+    if on_cpu and hosts_an_engine(cfg, int(os.environ["RANK"])):  # as run_training: SGLang imported once
+        preload_cpu_engines()
     dist.init_process_group(backend="gloo" if on_cpu else "nccl")
     trainer = Trainer(cfg)
     rank = dist.get_rank()
@@ -128,14 +131,24 @@ def main(argv=None) -> int:
     if "LOCAL_RANK" in os.environ:
         bench(args)
         return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser as torchrun_parser
+
     from sparse_rl_mega.config import load_config_or_exit
+    from sparse_rl_mega.forked_ranks import run_agent, start_job_rank_server
     from sparse_rl_mega.ports import free_port
 
     cfg = load_config_or_exit(args.config, args.overrides)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.parallel.nproc_per_node),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
-               *sys.argv[1:]]
-    return subprocess.call(command)
+    command = ["--nproc-per-node", str(cfg.parallel.nproc_per_node), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
+    try:  # torchrun's agent here, the ranks forked from here on a CPU (as tools/launch.py runs a job)
+        run_agent(torchrun_parser().parse_args(command), start_job_rank_server(cfg))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"[bench_sync] rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

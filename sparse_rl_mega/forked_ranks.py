@@ -89,6 +89,25 @@ def run_agent(torchrun_args, forked: bool) -> None:
                                                       torchrun_args.training_script_args)
 
 
+def run_script_ranks(nproc: int, script: str, script_args: list[str], forked: bool, name: str) -> int:
+    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on this node (loopback, a free port) through
+    :func:`run_agent`: 0, or 1 after one line ``[name] rank R failed (exit code C)``."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+
+    from sparse_rl_mega.ports import free_port
+
+    command = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               script, *script_args]
+    try:
+        run_agent(get_args_parser().parse_args(command), forked)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"[{name}] rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def forked_rank() -> bool:
     """Whether this rank is a fork of the launcher's rank server (said in the start-up line)."""
     return _server_environment is not None and "LOCAL_RANK" in os.environ

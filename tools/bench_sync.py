@@ -132,23 +132,13 @@ def main(argv=None) -> int:
         bench(args)
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser as torchrun_parser
-
     from sparse_rl_mega.config import load_config_or_exit
-    from sparse_rl_mega.forked_ranks import run_agent, start_job_rank_server
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.forked_ranks import run_script_ranks, start_job_rank_server
 
     cfg = load_config_or_exit(args.config, args.overrides)
-    command = ["--nproc-per-node", str(cfg.parallel.nproc_per_node), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
-    try:  # torchrun's agent here, the ranks forked from here on a CPU (as tools/launch.py runs a job)
-        run_agent(torchrun_parser().parse_args(command), start_job_rank_server(cfg))
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"[bench_sync] rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
-        return 1
-    return 0
+    # torchrun's agent here, the ranks forked from here on a CPU (as tools/launch.py runs a job)
+    return run_script_ranks(cfg.parallel.nproc_per_node, str(Path(__file__).resolve()), list(argv or sys.argv[1:]),
+                            start_job_rank_server(cfg), "bench_sync")
 
 
 if __name__ == "__main__":

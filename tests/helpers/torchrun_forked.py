@@ -23,23 +23,10 @@ HELPER_MODULES = ("sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
 
 
 def main() -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-
-    from sparse_rl_mega.forked_ranks import run_agent, start_rank_server
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.forked_ranks import run_script_ranks, start_rank_server
 
     nproc, script, *script_args = sys.argv[1:]
-    forked = start_rank_server(HELPER_MODULES)
-    command = ["--nproc-per-node", nproc, "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               script, *script_args]
-    try:
-        run_agent(get_args_parser().parse_args(command), forked)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"[torchrun_forked] rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
-        return 1
-    return 0
+    return run_script_ranks(int(nproc), script, script_args, start_rank_server(HELPER_MODULES), "torchrun_forked")
 
 
 if __name__ == "__main__":

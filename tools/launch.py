@@ -138,9 +138,8 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser as torchrun_parser
 
-    from sparse_rl_mega.forked_ranks import run_agent, start_job_rank_server
-
     from sparse_rl_mega.faults import LAUNCHER_PID_ENV
+    from sparse_rl_mega.forked_ranks import run_agent, start_job_rank_server
     from sparse_rl_mega.jobs import LOCK_HELD_ENV, FolderLocked, lock_job_folders
 
     try:

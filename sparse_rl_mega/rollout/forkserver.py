@@ -23,9 +23,10 @@ the server (:func:`exit_code`): they are not this process's children.
 A process that will start CPU engines (a learner rank that hosts one, the evaluation and benchmark
 tools) calls :func:`start_server_here` first, while it runs one thread: SGLang's modules are imported
 there once, under the environment of the engine processes, and the server is a fork of that process
-(``sparse_rl_mega/process_server.py``; multiprocessing's own server is a new interpreter that imports them all again: ~15 CPU-s more per
-host). A process with other threads running (a test worker) gets multiprocessing's server at its first
-engine as before: a fork keeps only the calling thread, and locks the others hold would stay locked.
+(``sparse_rl_mega/process_server.py``; multiprocessing's own server is a new interpreter that imports
+them all again: ~15 CPU-s more per host). A process with other threads running (a test worker) gets
+multiprocessing's server at its first engine as before: a fork keeps only the calling thread, and
+locks the others hold would stay locked.
 
 Engine processes freeze the server's heap (``gc.freeze``) before SGLang runs: its CPU ``empty_cache``
 is a full garbage collection, at every cache flush, idle sleep and weight reload.

@@ -89,18 +89,24 @@ def run_agent(torchrun_args, forked: bool) -> None:
                                                       torchrun_args.training_script_args)
 
 
-def run_script_ranks(nproc: int, script: str, script_args: list[str], forked: bool, name: str) -> int:
-    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on this node (loopback, a free port) through
-    :func:`run_agent`: 0, or 1 after one line ``[name] rank R failed (exit code C)``."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def run_on_this_node(nproc: int, script: str, script_args: list[str], forked: bool) -> None:
+    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on this node (a static rendezvous on loopback, a
+    free port) through :func:`run_agent`; raises torchrun's ``ChildFailedError`` when a rank fails."""
     from torch.distributed.run import get_args_parser
 
     from sparse_rl_mega.ports import free_port
 
     command = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                script, *script_args]
+    run_agent(get_args_parser().parse_args(command), forked)
+
+
+def run_script_ranks(nproc: int, script: str, script_args: list[str], forked: bool, name: str) -> int:
+    """:func:`run_on_this_node`: 0, or 1 after one line ``[name] rank R failed (exit code C)``."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        run_agent(get_args_parser().parse_args(command), forked)
+        run_on_this_node(nproc, script, script_args, forked)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         print(f"[{name}] rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)

@@ -136,10 +136,9 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser as torchrun_parser
 
     from sparse_rl_mega.faults import LAUNCHER_PID_ENV
-    from sparse_rl_mega.forked_ranks import run_agent, start_job_rank_server
+    from sparse_rl_mega.forked_ranks import run_on_this_node, start_job_rank_server
     from sparse_rl_mega.jobs import LOCK_HELD_ENV, FolderLocked, lock_job_folders
 
     try:
@@ -156,11 +155,9 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
         for attempt in range(args.max_restarts + 1):
             if attempt:  # a restart's start-up is counted from its own start
                 os.environ[LAUNCHED_AT_ENV] = repr(time.time())
-            command = ["--nproc-per-node", str(cfg.parallel.nproc_per_node), "--master-addr", "127.0.0.1",
-                       "--master-port", str(free_port()), str(Path(__file__).resolve()), args.config] + \
-                      [f"--set={item}" for item in overrides]
             try:
-                run_agent(torchrun_parser().parse_args(command), forked)
+                run_on_this_node(cfg.parallel.nproc_per_node, str(Path(__file__).resolve()),
+                                 [args.config] + [f"--set={item}" for item in overrides], forked)
                 return 0
             except ChildFailedError as exc:
                 rank, failure = exc.get_first_failure()

@@ -13,7 +13,8 @@ environment, SGLang's under the engine processes' (``rollout.engine.preload_cpu_
 exec'd rank would import them; an engine-hosting rank still forks its engines' server from itself.
 Megatron-Core is imported before the rank installs the CPU shims (``learner/cpu_shims.py``): they
 replace ``torch.cuda`` functions that Megatron looks up as it calls them, not names it binds at import.
-The suite's torchrun sessions start their ranks the same way (``tests/helpers/torchrun_forked.py``).
+``tools/export_hf.py`` and the suite's torchrun sessions (``tests/helpers/torchrun_forked.py``) start
+their ranks the same way.
 
 GPU machines (CUDA state must not be forked) and multi-node jobs (``torchrun tools/launch.py`` on every
 node) exec their ranks as before.

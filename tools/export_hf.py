@@ -17,7 +17,8 @@ model in the memory of one process (--nproc with --tp/--pp splits it; --device c
 The folder is written next to --out and renamed into place at the end, so an interrupted export
 leaves no half-written --out.
 
-Run it with python: it starts torchrun itself (or start it under torchrun with --nproc-per-node N).
+Run it with python: it runs torchrun's agent itself, its ranks on the CPU forks of a process that imported
+their modules once (sparse_rl_mega/forked_ranks.py); or start it under torchrun with --nproc-per-node N.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +43,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
                    "chat_template.jinja", "chat_template.json")
 OPTIONAL_FILES = ("generation_config.json",)
+# what a rank imports: the learner's model, its checkpoints and the HF weight map
+EXPORT_MODULES = ("sparse_rl_mega.learner.model", "sparse_rl_mega.learner.checkpoint", "sparse_rl_mega.learner.weights",
+                  "safetensors.torch")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -338,25 +341,28 @@ def main(argv=None) -> int:
     if args.nproc < 1:
         print(f"export_hf.py: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
         return 2
+    # before torch is imported (below): what torchrun sets for its workers, and CUDA hidden from them and
+    # from this process, which forks them on the CPU (its OpenMP pool would start a thread here)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:  # fail here, before any process starts, on anything that can be checked up front
         plan = prepare(args, nproc=args.nproc)
     except ExportError as error:
         print(f"export_hf.py: {error}", file=sys.stderr)
         return 2
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.forked_ranks import run_script_ranks, start_rank_server
 
     # (no --nproc for the workers: torchrun would take it for an abbreviation of its --nproc-per-node;
     # under torchrun the world size is the process count)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()),
-               str(plan.checkpoint.resolve()), "--out", str(plan.out.resolve()),
-               "--model", str(plan.model_dir.resolve()),
-               "--dtype", plan.dtype, "--max-shard-mb", str(args.max_shard_mb), "--tp", str(args.tp),
-               "--pp", str(args.pp), "--device", args.device] + (["--force"] if args.force else [])
+    worker_args = [str(plan.checkpoint.resolve()), "--out", str(plan.out.resolve()), "--model", str(plan.model_dir.resolve()),
+                   "--dtype", plan.dtype, "--max-shard-mb", str(args.max_shard_mb), "--tp", str(args.tp),
+                   "--pp", str(args.pp), "--device", args.device] + (["--force"] if args.force else [])
     print(f"[export] {plan.checkpoint} -> {plan.out} ({args.nproc} process(es), TP{args.tp} PP{args.pp}, {plan.dtype})",
           flush=True)
-    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}))
-    return subprocess.call(command, env=env)
+    # the ranks are forks of a server that imported their modules once (on the CPU; else exec'd)
+    forked = start_rank_server(EXPORT_MODULES)
+    return run_script_ranks(args.nproc, str(Path(__file__).resolve()), worker_args, forked, "export")
 
 
 if __name__ == "__main__":

@@ -88,17 +88,44 @@ def run_captured(command: list, timeout: int, env: Optional[dict] = None) -> sub
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+_tool_server = None  # this worker's (tests/helpers/tool_server.py), started at its first run
+
+
+def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` from the repo root (output captured, its process group killed on timeout) as
+    a fork of this worker's tool server, which imported torch, Megatron-Core and SGLang once
+    (tests/helpers/tool_server.py); as a fresh interpreter (:func:`run_captured`) where ``env`` sets a
+    variable that modules read as they are imported. ``env``: variables added to this process's."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from tests.helpers.tool_server import ToolServer
+
+    global _tool_server
+    if _tool_server is None:
+        folder = Path(tempfile.mkdtemp(prefix="tool-server-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _tool_server = ToolServer(folder)
+    environment = {**os.environ, **(env or {})}
+    if not _tool_server.can_run(environment):
+        return run_captured([sys.executable, script, *args], timeout, env)
+    return _tool_server.run(script, list(args), environment, timeout)
+
+
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a helper script under torchrun on loopback with a free port (output captured), its ranks
     forked from a process that imported the learner once (tests/helpers/torchrun_forked.py)."""
-    return run_captured([sys.executable, ROOT / "tests" / "helpers" / "torchrun_forked.py", nproc, script, *args],
-                        timeout)
+    return run_tool(ROOT / "tests" / "helpers" / "torchrun_forked.py", nproc, script, *args, timeout=timeout)
 
 
-def run_launch(config: Path, *overrides: str, timeout: int = 900, env: Optional[dict] = None
+def run_launch(config: Path, *overrides: str, timeout: int = 900, env: Optional[dict] = None, fresh: bool = False
                ) -> subprocess.CompletedProcess:
-    """``python tools/launch.py CONFIG [--set ...]``, as a user runs it (output captured)."""
-    return run_captured([sys.executable, ROOT / "tools" / "launch.py", config, *overrides], timeout, env)
+    """``python tools/launch.py CONFIG [--set ...]`` (output captured): with ``fresh`` in a new
+    interpreter, as a user runs it; else forked from the tool server (:func:`run_tool`)."""
+    if fresh:
+        return run_captured([sys.executable, ROOT / "tools" / "launch.py", config, *overrides], timeout, env)
+    return run_tool(ROOT / "tools" / "launch.py", config, *overrides, timeout=timeout, env=env)
 
 
 def write_test_config(path: Path, model_dir: Path, run_dir: Path, extra: str = "") -> Path:
@@ -135,7 +162,7 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
     extra = (f"eval: {{path: {held_out}, kv: 'dense,rollout', n_samples: 1, temperature: 0.0, interval: 2, "
              f"max_new_tokens: {E2E_EVAL_MAX_NEW}}}")
     config = write_test_config(work / "e2e.yaml", tiny_model_dir, run_dir, extra)
-    proc = run_launch(config)
+    proc = run_launch(config, fresh=True)  # the suite's launch that starts as a user's does, in a new interpreter
     return run_dir, proc
 
 

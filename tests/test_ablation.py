@@ -4,13 +4,12 @@ rollout of the two sparse variants is the same; the uncorrected variant rejects 
 corrected one does; the table is computed from the logged metrics. The dense variant's override is
 checked without a launch (dense rollouts against the learner: tests/test_e2e.py, test_engine_kv.py)."""
 import json
-import sys
 from types import SimpleNamespace
 
 import mlflow
 import pytest
 
-from tests.conftest import ROOT, run_captured, write_test_config
+from tests.conftest import ROOT, run_tool, write_test_config
 from tools.ablation import plan, ratio_with_stderr, variant_overrides
 
 # one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
@@ -22,8 +21,8 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     config = write_test_config(tmp_path / "a.yaml", tiny_model_dir, tmp_path / "run")
     with pytest.raises(ValueError, match="unknown variant 'magic'"):
         variant_overrides("magic")
-    proc = run_captured([sys.executable, ROOT / "tools" / "ablation.py", config, "--variants", "naive,dense",
-                         "--set", "trainer.lr=fast", "--out", tmp_path / "out"], 60)
+    proc = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,dense",
+                    "--set", "trainer.lr=fast", "--out", tmp_path / "out", timeout=60)
     assert proc.returncode == 2 and "trainer.lr" in proc.stderr and not (tmp_path / "out").exists()
 
     args = SimpleNamespace(config=str(config), variants="naive,sparse_rl", iterations=2, overrides=[],
@@ -54,8 +53,8 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     assert variant_overrides("dense") == ["rollout.kv_compression.policy=none"]
     config = write_test_config(tmp_path / "ablation.yaml", tiny_model_dir, tmp_path / "unused")
     out = tmp_path / "ablation"
-    proc = run_captured([sys.executable, ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                         "--iterations", "1", "--out", out, *ONE_PROCESS], 600)
+    proc = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
+                    "--iterations", "1", "--out", out, *ONE_PROCESS, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert (out / "ablation.png").stat().st_size > 5000
     result = json.loads((out / "ablation.json").read_text())
@@ -80,8 +79,8 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     assert history("sparse_rl", "correction/token_rejected_fraction")[0] > 0
 
     # the same command again: both variants finished, nothing is launched, the summary is rewritten
-    again = run_captured([sys.executable, ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                          "--iterations", "1", "--out", out, *ONE_PROCESS], 120)
+    again = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
+                     "--iterations", "1", "--out", out, *ONE_PROCESS, timeout=120)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count("finished in") == 2 and "tools/launch.py" not in again.stdout
     assert json.loads((out / "ablation.json").read_text())["rows"] == result["rows"]

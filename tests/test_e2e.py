@@ -87,11 +87,10 @@ def test_held_out_evaluation_matches_transformers_greedy(e2e_run, tiny_model_dir
     transformers' greedy decoding of the same prompts scores: with the initial weights before training
     and with the exported final checkpoint after it. Dense and R-KV settings are both reported."""
     import json
-    import sys
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.conftest import E2E_EVAL_MAX_NEW, E2E_EVAL_ROWS, ROOT, TRAIN_DATA, greedy_correct, run_captured
+    from tests.conftest import E2E_EVAL_MAX_NEW, E2E_EVAL_ROWS, ROOT, TRAIN_DATA, greedy_correct, run_tool
 
     client, run, proc = _run(e2e_run)
     run_dir, _ = e2e_run
@@ -111,8 +110,8 @@ def test_held_out_evaluation_matches_transformers_greedy(e2e_run, tiny_model_dir
     assert history[0]["results"]["dense"]["mean_at_k"] == sum(before) / len(rows)
 
     exported = tmp_path / "final"
-    done = run_captured([sys.executable, ROOT / "tools" / "export_hf.py", run_dir / "checkpoints" / "iter_0000003",
-                         "--out", exported], 300)
+    done = run_tool(ROOT / "tools" / "export_hf.py", run_dir / "checkpoints" / "iter_0000003", "--out", exported,
+                    timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     trained = AutoModelForCausalLM.from_pretrained(exported).eval()
     after = greedy_correct(trained, tokenizer, rows, E2E_EVAL_MAX_NEW)

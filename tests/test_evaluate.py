@@ -3,15 +3,13 @@ of the same prompts; pass@k against brute-force enumeration."""
 import itertools
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 
 from sparse_rl_mega.tracking import default_tracking_uri
-from tests.conftest import ROOT, TRAIN_DATA, greedy_correct
+from tests.conftest import ROOT, TRAIN_DATA, greedy_correct, run_tool
 from sparse_rl_mega.evaluation import pass_at_k
 from tools.evaluate import parse_kv
 
@@ -36,10 +34,9 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
     bench = tmp_path / "sums.jsonl"
     bench.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows))
     out = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), str(tiny_model_dir),
-                           "--benchmarks", str(bench), "--kv", "none,streaming:8", "--sink", "2", "--window", "2",
-                           "--interval", "2", "--max-new-tokens", "16", "--reward", "exact_answer", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_tool(ROOT / "tools" / "evaluate.py", tiny_model_dir, "--benchmarks", bench, "--kv", "none,streaming:8",
+                    "--sink", "2", "--window", "2", "--interval", "2", "--max-new-tokens", "16", "--reward", "exact_answer",
+                    "--out", out, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "(forked from this process)" in proc.stdout  # SGLang imported once (rollout/forkserver.py)
     results = json.loads((out / "results.json").read_text())["results"]["sums"]

@@ -10,12 +10,11 @@ gate/up split, layers unstacked). transformers loads both, the weights differ fr
 (training moved them), config and tokenizer are the initial model's. The argument errors are checked
 without starting torchrun."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_captured
+from tests.conftest import ROOT, run_tool
 
 EXPORT = ROOT / "tools" / "export_hf.py"
 
@@ -57,7 +56,7 @@ def independent_hf_weights(checkpoint: Path, arch: dict, work: Path) -> dict:
 
 
 def _export(*args, timeout: int = 300):
-    return run_captured([sys.executable, EXPORT, *args], timeout)
+    return run_tool(EXPORT, *args, timeout=timeout)
 
 
 def _read_folder(folder: Path) -> dict:

@@ -20,12 +20,11 @@ The uninterrupted run is made by ``tools/bench_overlap.py --staleness 1`` and th
 """
 import json
 import re
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import ROOT, run_captured, write_test_config
+from tests.conftest import ROOT, run_tool, write_test_config
 from tools.bench_overlap import SEPARATE
 from tools.chaos import compare, final_state, metrics_by_iteration
 
@@ -45,9 +44,9 @@ def overlap_config(tmp_path_factory, tiny_model_dir):
 def overlapped(overlap_config):
     """K = 1, uninterrupted, as ``tools/bench_overlap.py`` runs it: (run folder, its launch's output)."""
     out = overlap_config.parent / "bench"
-    proc = run_captured([sys.executable, ROOT / "tools" / "bench_overlap.py", overlap_config, "--staleness", "1",
-                         "--iterations", ITERATIONS, "--out", out, "--json", out / "bench.json",
-                         *[f"--set={o}" for o in OVERRIDES]], 600)
+    proc = run_tool(ROOT / "tools" / "bench_overlap.py", overlap_config, "--staleness", "1",
+                    "--iterations", ITERATIONS, "--out", out, "--json", out / "bench.json",
+                    *[f"--set={o}" for o in OVERRIDES], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     figures = json.loads((out / "bench.json").read_text())["figures"]["1"]
     assert figures["iterations_timed"] == ITERATIONS - 1 and figures["staleness_mean"] == 1.0, figures
@@ -91,9 +90,9 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
     run_dir, _ = overlapped
     out = overlap_config.parent / "chaos"
     faults = "kill-rank0@train:3+0.1,kill-engine@train:4+0.05"
-    done = run_captured([sys.executable, ROOT / "tools" / "chaos.py", overlap_config, "--reference", run_dir,
-                         "--fault", faults, "--out", out, *[f"--set={o}" for o in SEPARATE + OVERRIDES],
-                         f"--set=trainer.iterations={ITERATIONS}"], 600)
+    done = run_tool(ROOT / "tools" / "chaos.py", overlap_config, "--reference", run_dir,
+                    "--fault", faults, "--out", out, *[f"--set={o}" for o in SEPARATE + OVERRIDES],
+                    f"--set=trainer.iterations={ITERATIONS}", timeout=600)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # (iteration 5 differs, by design)
     (verdict,) = [line for line in done.stdout.splitlines() if line.startswith("[chaos] trial 1/1")]
     assert f"trial 1/1 {faults}" in verdict and "job restarted by the launcher" in verdict, verdict

@@ -49,16 +49,15 @@ def _check_chunked_checkpoint_exports(full_dir: Path, run_dir: Path, tmp_path: P
     uninterrupted run's checkpoint (read independently of the tool) to float32 rounding of one
     differently summed step."""
     import json
-    import sys
 
     import torch
 
     from sparse_rl_mega.learner.weights import read_hf_state_dict
-    from tests.conftest import ROOT, run_captured
+    from tests.conftest import ROOT, run_tool
     from tests.test_export_hf import independent_hf_weights
 
-    done = run_captured([sys.executable, ROOT / "tools" / "export_hf.py", run_dir / "checkpoints" / "iter_0000003",
-                         "--out", tmp_path / "chunked"], 300)
+    done = run_tool(ROOT / "tools" / "export_hf.py", run_dir / "checkpoints" / "iter_0000003", "--out", tmp_path / "chunked",
+                    timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     chunked = read_hf_state_dict(tmp_path / "chunked")
     uninterrupted = independent_hf_weights(full_dir / "checkpoints" / "iter_0000003",

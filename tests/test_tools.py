@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, TRAIN_DATA, run_captured
+from tests.conftest import ROOT, TRAIN_DATA, run_captured, run_tool
 
 SCRIPTS = sorted(p.name for p in (ROOT / "tools").iterdir() if p.suffix in (".py", ".sh") and p.is_file())
 # where each script is run for real (this module or another)
@@ -61,10 +61,10 @@ def test_gpu_check_on_a_cpu_machine_runs_the_cpu_part_and_says_the_gpu_part_did_
 
 def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "sync.json"
-    done = run_captured([sys.executable, ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",
-                         f"--set=model.path={tiny_model_dir}", "--set=tracking.enabled=false",
-                         f"--set=trainer.run_dir={tmp_path / 'run'}", "--buckets", "1", "--repeats", "1", "--json", out],
-                        600)
+    done = run_tool(ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",
+                    f"--set=model.path={tiny_model_dir}", "--set=tracking.enabled=false",
+                    f"--set=trainer.run_dir={tmp_path / 'run'}", "--buckets", "1", "--repeats", "1", "--json", out,
+                    timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     figures = json.loads(out.read_text())
     assert sorted(figures["sync"]) == ["broadcast.1MB", "tensor.1MB"] and figures["bytes"] > 0
@@ -74,11 +74,11 @@ def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_pat
 
 def test_bench_rollout_compares_a_policy_with_dense_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "rollout.json"
-    done = run_captured([sys.executable, ROOT / "tools" / "bench_rollout.py", "--model", tiny_model_dir,
-                         "--requests", "4", "--prompt-tokens", "8", "--new-tokens", "24", "--budget", "12",
-                         "--interval", "2", "--window", "4", "--sink", "2", "--policies", "streaming",
-                         "--selections", "per_layer", "--repeats", "1", "--pools", "unbounded", "--json", out],
-                        600)
+    done = run_tool(ROOT / "tools" / "bench_rollout.py", "--model", tiny_model_dir,
+                    "--requests", "4", "--prompt-tokens", "8", "--new-tokens", "24", "--budget", "12",
+                    "--interval", "2", "--window", "4", "--sink", "2", "--policies", "streaming",
+                    "--selections", "per_layer", "--repeats", "1", "--pools", "unbounded", "--json", out,
+                    timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     figures = json.loads(out.read_text())
     text = json.dumps(figures)

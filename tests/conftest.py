@@ -93,9 +93,10 @@ _tool_server = None  # this worker's (tests/helpers/tool_server.py), started at 
 
 def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGS`` from the repo root (output captured, its process group killed on timeout) as
-    a fork of this worker's tool server, which imported torch, Megatron-Core and SGLang once
-    (tests/helpers/tool_server.py); as a fresh interpreter (:func:`run_captured`) where ``env`` sets a
-    variable that modules read as they are imported. ``env``: variables added to this process's."""
+    a fork of this worker's tool server, which imported torch, Megatron-Core and SGLang once, under the
+    worker's environment as the server started plus ``env`` (tests/helpers/tool_server.py); as a fresh
+    interpreter (:func:`run_captured`) where ``env`` sets a variable that modules may read as they are
+    imported."""
     import atexit
     import shutil
     import tempfile
@@ -107,10 +108,9 @@ def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None
         folder = Path(tempfile.mkdtemp(prefix="tool-server-"))
         atexit.register(shutil.rmtree, folder, True)
         _tool_server = ToolServer(folder)
-    environment = {**os.environ, **(env or {})}
-    if not _tool_server.can_run(environment):
+    if not _tool_server.can_run(env or {}):
         return run_captured([sys.executable, script, *args], timeout, env)
-    return _tool_server.run(script, list(args), environment, timeout)
+    return _tool_server.run(script, list(args), env or {}, timeout)
 
 
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:

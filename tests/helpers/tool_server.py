@@ -3,13 +3,15 @@ per test worker that imported what those scripts import once: torch, Megatron-Co
 transformers' models (not MLflow: importing it starts a thread).
 
 As fresh interpreters, ~45 runs of the suite each imported them again: 3-15 CPU-s of a 2-core machine
-per run, ~200 CPU-s in all. A fork runs the script as ``python SCRIPT ARGS`` would: in a session of its
-own (a test's timeout kills its whole process group), under the caller's environment and working folder,
-with the script's folder first on ``sys.path``, ``sys.argv`` set, stdin empty, and it ends as that
-interpreter would (the code of ``SystemExit``, a traceback and 1 for an exception, threads joined,
-``atexit`` handlers run), but without tearing down the preloaded modules (2 s each). SGLang's modules are imported as a CPU launcher imports them (``rollout.engine.import_cpu_engine_modules``:
-under the engine processes' environment); a run whose environment differs from the server's in a variable
-that modules may read as they are imported is run as a fresh interpreter instead (:data:`READ_AFTER_IMPORT`).
+per run. A fork runs the script as ``python SCRIPT ARGS`` would: in a session of its own (a test's
+timeout kills its whole process group), in the repo root, with the script's folder first on
+``sys.path``, ``sys.argv`` set and stdin empty, under the test worker's environment as the server
+started plus the call's variables; it ends as that interpreter would (the code of ``SystemExit``, a
+traceback and 1 for an exception, threads joined, ``atexit`` handlers run), but without tearing down the
+preloaded modules (2 s each). SGLang's modules are imported as a CPU launcher imports them
+(``rollout.engine.import_cpu_engine_modules``: under the engine processes' environment). A call that sets
+a variable modules may read as they are imported (other than :data:`READ_AFTER_IMPORT`) runs as a fresh
+interpreter instead.
 
 What a fork cannot show (a script that imports too little to start alone, the launcher's start-up in a
 fresh interpreter), fresh interpreters still show: every tool's ``--help`` (tests/test_tools.py), the
@@ -165,10 +167,6 @@ def main() -> None:
 # ----------------------------------------------------------------------------- the client (the test worker)
 
 
-def import_environment(environment: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environment.items() if k not in READ_AFTER_IMPORT}
-
-
 class _Answers:
     """The server's answers on one connection, a JSON line each."""
 
@@ -212,20 +210,21 @@ class ToolServer:
                 raise RuntimeError(f"the tool server was not ready in {timeout:.0f} s: {self.log.read_text()[-3000:]}")
             time.sleep(0.1)
 
-    def can_run(self, environment: dict[str, str]) -> bool:
-        """Whether a run under ``environment`` may be a fork (the same import environment)."""
-        return import_environment(environment) == import_environment(self.environment)
+    def can_run(self, env: dict[str, str]) -> bool:
+        """Whether a run with the variables ``env`` added may be a fork (none read as modules are imported)."""
+        return all(self.environment.get(k) == v or k in READ_AFTER_IMPORT for k, v in env.items())
 
-    def run(self, script: Path, args: list[str], environment: dict[str, str], timeout: float
-            ) -> subprocess.CompletedProcess:
-        """``python SCRIPT ARGS`` from the repo root as a fork of the server, output captured; on timeout
-        its process group is killed (as ``tests/conftest.py``'s ``run_captured`` kills a fresh one's)."""
+    def run(self, script: Path, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """``python SCRIPT ARGS`` from the repo root as a fork of the server, output captured, under the
+        test worker's environment as the server started plus ``env`` (an SGLang engine run in the worker
+        leaves its settings in the worker's environment, which a user's shell would not pass on); on
+        timeout its process group is killed (as ``tests/conftest.py``'s ``run_captured`` kills a fresh one's)."""
         self._wait_ready()
         self.runs += 1
         out, err = self.folder / f"run{self.runs}.out", self.folder / f"run{self.runs}.err"
         connection = socket.socket(socket.AF_UNIX)
         connection.connect(self.address)
-        request = dict(script=str(script), args=[str(a) for a in args], env=environment, cwd=str(ROOT),
+        request = dict(script=str(script), args=[str(a) for a in args], env={**self.environment, **env}, cwd=str(ROOT),
                        stdout=str(out), stderr=str(err))
         connection.sendall(json.dumps(request).encode() + b"\n")
         answers = _Answers(connection)

@@ -91,12 +91,8 @@ def run_captured(command: list, timeout: int, env: Optional[dict] = None) -> sub
 _tool_server = None  # this worker's (tests/helpers/tool_server.py), started at its first run
 
 
-def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """``python SCRIPT ARGS`` from the repo root (output captured, its process group killed on timeout) as
-    a fork of this worker's tool server, which imported torch, Megatron-Core and SGLang once, under the
-    worker's environment as the server started plus ``env`` (tests/helpers/tool_server.py); as a fresh
-    interpreter (:func:`run_captured`) where ``env`` sets a variable that modules may read as they are
-    imported."""
+def tool_server():
+    """This worker's tool server (tests/helpers/tool_server.py), started at the first call."""
     import atexit
     import shutil
     import tempfile
@@ -108,9 +104,18 @@ def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None
         folder = Path(tempfile.mkdtemp(prefix="tool-server-"))
         atexit.register(shutil.rmtree, folder, True)
         _tool_server = ToolServer(folder)
-    if not _tool_server.can_run(env or {}):
+    return _tool_server
+
+
+def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` from the repo root (output captured, its process group killed on timeout) as
+    a fork of this worker's tool server, which imported torch, Megatron-Core, SGLang and MLflow once,
+    under the worker's environment as the server started plus ``env`` (tests/helpers/tool_server.py); as
+    a fresh interpreter (:func:`run_captured`) where ``env`` sets a variable that modules may read as they
+    are imported."""
+    if not tool_server().can_run(env or {}):
         return run_captured([sys.executable, script, *args], timeout, env)
-    return _tool_server.run(script, list(args), env or {}, timeout)
+    return tool_server().run(script, list(args), env or {}, timeout)
 
 
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:

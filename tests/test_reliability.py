@@ -4,14 +4,12 @@ any worker starts; rendezvous ports are not taken by other connections before to
 (Engine crashes and hangs during a run: tests/test_resume.py; non-finite steps:
 tests/test_layout_invariance.py; the KV soak: tests/test_engine_retraction.py.)"""
 import os
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from tests.conftest import ROOT, TRAIN_DATA, run_launch, write_test_config
+from tests.conftest import ROOT, TRAIN_DATA, run_launch, tool_server, write_test_config
 
 
 def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_path):
@@ -37,11 +35,10 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
     same run folder stopped at once, naming the first one's host and pid."""
     run_dir = tmp_path / "run"
     config = write_test_config(tmp_path / "job.yaml", tiny_model_dir, run_dir)
-    log = open(tmp_path / "job.log", "w")
+    log = tmp_path / "job.log"
     # 50 iterations: orphans, if any, would still be training when they are looked for
-    job = subprocess.Popen([sys.executable, ROOT / "tools" / "launch.py", config, "--set=trainer.iterations=50"],
-                           cwd=ROOT, stdout=log,
-                           stderr=subprocess.STDOUT, env={**os.environ, "SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:2"})
+    job = tool_server().start(ROOT / "tools" / "launch.py", [config, "--set=trainer.iterations=50"],
+                              {"SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:2"}, log, log)
     seen: set[int] = set()
     try:
         lock = run_dir / ".lock"
@@ -59,7 +56,7 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.2)
-        assert job.wait(timeout=5) == -9, (tmp_path / "job.log").read_text()[-3000:]
+        assert job.wait(timeout=5) == -9, log.read_text()[-3000:]
         assert len(seen) >= 5, seen  # two learner ranks, the engine's process server, scheduler, detokenizer
 
         def alive():
@@ -75,14 +72,13 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
         while alive() and time.time() < deadline:
             time.sleep(0.2)
         assert not alive(), [(p, psutil.Process(p).cmdline()[:3]) for p in alive()]
-        assert "[iter 2/50]" not in (tmp_path / "job.log").read_text()  # nothing trained on without it
+        assert "[iter 2/50]" not in log.read_text()  # nothing trained on without it
     finally:
         for pid in [job.pid, *seen]:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
-        log.close()
 
 
 @pytest.mark.unit

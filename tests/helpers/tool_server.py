@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 # read only after the scripts start (by pytest, the fault injector and the engines' KV plugin), so a run
@@ -59,6 +60,12 @@ def _preload() -> None:
     import_cpu_engine_modules()
     for name in PRELOAD:
         importlib.import_module(name)
+    # MLflow's client and SQL store (rank 0 of a launch, the tools that read results): pyarrow, which
+    # it loads, starts jemalloc's background thread unless told not to (here, for the import)
+    os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
+    for name in ("mlflow", "mlflow.store.tracking.sqlalchemy_store"):
+        importlib.import_module(name)
+    del os.environ["JE_ARROW_MALLOC_CONF"]
     sys.path.remove(str(ROOT))
     if process_server.threads_running() != 1:  # a fork keeps one thread: others' locks would stay held
         raise SystemExit(f"tool_server: {process_server.threads_running()} threads after the imports (1 expected)")
@@ -110,6 +117,9 @@ def _become(request: dict) -> str:
     os.setsid()
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                             (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        if fd == 2 and path == request["stdout"]:  # (one file for both, as stderr=subprocess.STDOUT)
+            os.dup2(1, 2)
+            continue
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
@@ -167,14 +177,16 @@ def main() -> None:
 # ----------------------------------------------------------------------------- the client (the test worker)
 
 
-class _Answers:
-    """The server's answers on one connection, a JSON line each."""
+class ForkedRun:
+    """One script run as a fork of the server, as ``subprocess.Popen`` shows one: ``pid``, :meth:`poll`,
+    :meth:`wait` (``subprocess.TimeoutExpired`` when it runs on), ``returncode``."""
 
-    def __init__(self, connection: socket.socket):
-        self.connection, self.buffer = connection, b""
+    def __init__(self, connection: socket.socket, args: list[str]):
+        self.connection, self.args, self.buffer, self.returncode = connection, args, b"", None
+        self.pid = self._answer(None)["pid"]
 
-    def next(self, timeout):
-        """The next answer; None if none came within ``timeout`` s, {} if the server closed the connection."""
+    def _answer(self, timeout: Optional[float]) -> Optional[dict]:
+        """The server's next answer (a JSON line); None if none came within ``timeout`` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.buffer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -182,10 +194,25 @@ class _Answers:
                 return None
             chunk = self.connection.recv(4096)
             if not chunk:
-                return {}
+                raise RuntimeError(f"the tool server ended while {self.args} ran (pid {getattr(self, 'pid', '?')})")
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         return json.loads(line)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            answer = self._answer(timeout)
+            if answer is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = answer["exit"]
+            self.connection.close()
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 class ToolServer:
@@ -214,38 +241,37 @@ class ToolServer:
         """Whether a run with the variables ``env`` added may be a fork (none read as modules are imported)."""
         return all(self.environment.get(k) == v or k in READ_AFTER_IMPORT for k, v in env.items())
 
-    def run(self, script: Path, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        """``python SCRIPT ARGS`` from the repo root as a fork of the server, output captured, under the
-        test worker's environment as the server started plus ``env`` (an SGLang engine run in the worker
-        leaves its settings in the worker's environment, which a user's shell would not pass on); on
-        timeout its process group is killed (as ``tests/conftest.py``'s ``run_captured`` kills a fresh one's)."""
+    def start(self, script: Path, args: list, env: dict[str, str], stdout: Path, stderr: Path) -> ForkedRun:
+        """``python SCRIPT ARGS`` from the repo root as a fork of the server, its output written to
+        ``stdout`` and ``stderr``, under the test worker's environment as the server started plus ``env``
+        (an SGLang engine run in the worker leaves its settings in the worker's environment, which a
+        user's shell would not pass on)."""
         self._wait_ready()
-        self.runs += 1
-        out, err = self.folder / f"run{self.runs}.out", self.folder / f"run{self.runs}.err"
         connection = socket.socket(socket.AF_UNIX)
         connection.connect(self.address)
         request = dict(script=str(script), args=[str(a) for a in args], env={**self.environment, **env}, cwd=str(ROOT),
-                       stdout=str(out), stderr=str(err))
+                       stdout=str(stdout), stderr=str(stderr))
         connection.sendall(json.dumps(request).encode() + b"\n")
-        answers = _Answers(connection)
-        pid = answers.next(None)["pid"]
+        return ForkedRun(connection, [sys.executable, str(script), *map(str, args)])
+
+    def run(self, script: Path, args: list, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """:meth:`start` with the output captured; on timeout its process group is killed (as
+        ``tests/conftest.py``'s ``run_captured`` kills a fresh one's)."""
+        self.runs += 1
+        out, err = self.folder / f"run{self.runs}.out", self.folder / f"run{self.runs}.err"
+        run = self.start(script, args, env, out, err)
         note = ""
-        answer = answers.next(timeout)
-        if answer is None:
-            os.killpg(pid, signal.SIGKILL)
+        try:
+            run.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
             note = f"\n[test] killed after {timeout} s"
-            answer = answers.next(60)  # (the server answers as it reaps the process)
-        if not answer:
-            raise RuntimeError(f"the tool server did not answer for pid {pid}: {self.log.read_text()[-3000:]}")
-        code = answer["exit"]
-        connection.close()
-        command = [sys.executable, str(script), *map(str, args)]
-        done = subprocess.CompletedProcess(command, code, out.read_text(errors="replace"),
+            run.wait(60)  # (the server answers as it reaps the process)
+        done = subprocess.CompletedProcess(run.args, run.returncode, out.read_text(errors="replace"),
                                            err.read_text(errors="replace") + note)
         out.unlink()
         err.unlink()
         return done
-
 
 if __name__ == "__main__":
     main()

@@ -107,13 +107,15 @@ def tool_server():
     return _tool_server
 
 
-def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None, start: bool = True
+             ) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGS`` from the repo root (output captured, its process group killed on timeout) as
     a fork of this worker's tool server, which imported torch, Megatron-Core, SGLang and MLflow once,
     under the worker's environment as the server started plus ``env`` (tests/helpers/tool_server.py); as
     a fresh interpreter (:func:`run_captured`) where ``env`` sets a variable that modules may read as they
-    are imported."""
-    if not tool_server().can_run(env or {}):
+    are imported, or where the server is not running and not ``start`` (quick runs of the ``unit`` tier,
+    which would not repay its start alone)."""
+    if (_tool_server is None and not start) or not tool_server().can_run(env or {}):
         return run_captured([sys.executable, script, *args], timeout, env)
     return tool_server().run(script, list(args), env or {}, timeout)
 

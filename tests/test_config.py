@@ -1,12 +1,11 @@
 """Config validation: each bad config fails before any heavy work, naming its key."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sparse_rl_mega.config import ConfigError, load_config
+from tests.conftest import run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
@@ -108,8 +107,7 @@ def test_override_reaches_value_and_is_validated(tmp_path):
 
 
 def _launch(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return run_tool(ROOT / "tools" / "launch.py", *args, timeout=120, start=False)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import torch
-
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, load_chat_tokenizer, render_prompt
 
 
@@ -142,6 +140,8 @@ class PromptDataset:
 
     def batch(self, iteration: int, size: int, seed: int, shuffle: bool = True) -> list[PromptRecord]:
         """Prompts of ``iteration``: consecutive slices of per-epoch permutations (seeded by epoch)."""
+        import torch  # (here: the tools that only read data files start without it)
+
         out = []
         start = iteration * size
         for position in range(start, start + size):

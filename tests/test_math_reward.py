@@ -203,7 +203,7 @@ HOSTILE = {
 def test_hostile_inputs_score_zero_within_the_limit(scorer):
     timings = {}
     for name, response in HOSTILE.items():
-        scorer.wait_ready()  # a timed-out worker's replacement needs ~0.7 s to load math-verify
+        scorer.wait_ready()  # (a timed-out worker's replacement is a fork of a warm process: ready at once)
         started = time.perf_counter()
         reward = scorer.score([response], ["1"])
         timings[name] = time.perf_counter() - started
@@ -272,8 +272,8 @@ def test_close_leaves_no_child_processes():
     s = MathScorer(timeout_s=LIMIT, workers=2)
     s.wait_ready()
     s.score([HOSTILE["power tower"]], ["1"])  # one worker replaced along the way
-    pids = s.worker_pids
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    pids = s.worker_pids + [s._forks[0].proc.pid]  # the workers and the process that forks them
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
     s.close()
     s.close()  # idempotent
     assert not any(_alive(p) for p in pids)

@@ -11,7 +11,8 @@ Variants (same seed, data, prompts order and sampling seeds; only what the varia
   dense      rollouts without KV compression (rollout.kv_compression.policy: none), correction as in CONFIG
   tis, icepop, bypass    sparse rollouts with that correction preset (docs/algorithm.md)
 
-Each variant is one ``tools/launch.py`` run into ``OUT/<variant>``; all log to one MLflow store
+Each variant is one ``tools/launch.py`` run into ``OUT/<variant>`` (on a CPU node a fork of this process,
+which imported the launcher's modules once: sparse_rl_mega/launches.py); all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
 ``OUT/ablation.png`` (reward, mismatch k3, token rejection, the largest importance weight, evicted tokens and
 held-out accuracy with its standard error), ``OUT/ablation.md`` (a table, with each variant's final
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import CORRECTION_PRESETS, ConfigError, load_config  # noqa: E402
+from sparse_rl_mega.launches import run_launch, start_launch_server  # noqa: E402
 
 EXPERIMENT = "ablation"
 # (metric, axis title) per panel; the last panel is held-out accuracy when the config evaluates
@@ -242,6 +243,9 @@ def main(argv=None) -> int:
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    # the launches: forks of one process that imported the launcher's modules (CPU, one node), else new
+    # interpreters; started before MLflow's store, which starts a thread here
+    forked = start_launch_server(args.config, next(iter(runs.values())))
     tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
@@ -260,8 +264,7 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         print(f"[ablation] ({k}/{len(runs)}) {name}: tools/launch.py {args.config} "
               + " ".join(f"--set {o}" for o in overrides[len(args.overrides):]), flush=True)
-        code = subprocess.call([sys.executable, str(ROOT / "tools" / "launch.py"), args.config,
-                                *[f"--set={o}" for o in overrides]])
+        code = run_launch([args.config, *[f"--set={o}" for o in overrides]], forked=forked)
         print(f"[ablation] {name}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
         if code != 0:
             failed.append(name)

@@ -2,8 +2,9 @@
 """Overlapped rollouts: iteration time with ``rollout.max_staleness`` K = 1 (the engines generate the
 next batch while the learner trains) beside K = 0 (generate, train, push in turn), same config.
 
-Launches ``tools/launch.py CONFIG`` once per K (alternating when ``--repeats`` > 1), each in its own run
-folder, then reads the runs' MLflow metrics and ``timeline.jsonl``. Per K, means over the iterations
+Launches ``tools/launch.py CONFIG`` once per K (alternating when ``--repeats`` > 1; on a CPU node each a
+fork of this process, which imported the launcher's modules once: sparse_rl_mega/launches.py), each in
+its own run folder, then reads the runs' MLflow metrics and ``timeline.jsonl``. Per K, means over the iterations
 after the first (its rollout includes the engine's warm-up): iteration time, the learner's wait for
 samples (``time/learner_wait_s``), the engine's idle time before each batch (``time/engine_idle_s``),
 its generation time, the learner's compute (dense ``logp_old`` + optimizer steps), the weight push,
@@ -20,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from sparse_rl_mega.launches import run_launch, start_launch_server  # noqa: E402
 
 SEPARATE = ["parallel.nproc_per_node=1", "parallel.pipeline_model_parallel_size=1", "rollout.placement=separate",
             "trainer.sync_method=broadcast", "checkpoint.save_interval=0"]
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     values = [int(v) for v in args.staleness.split(",")]
     base = ([] if args.no_separate else SEPARATE) + [f"trainer.iterations={args.iterations}"] + args.overrides
     runs: dict[int, list] = {k: [] for k in values}
+    # the launches: forks of one process that imported the launcher's modules (CPU, one node), else new
+    # interpreters (start-up is not timed: the figures come from the runs' iterations)
+    forked = start_launch_server(args.config, base + [f"rollout.max_staleness={values[0]}"])
     for repeat in range(args.repeats):
         for k in values:
             run_dir = Path(args.out) / f"k{k}_r{repeat}"
@@ -90,11 +95,10 @@ def main(argv=None) -> int:
                 shutil.rmtree(run_dir)
             sets = base + [f"rollout.max_staleness={k}", f"trainer.run_dir={run_dir}"]
             print(f"[bench] max_staleness={k} run {repeat + 1}/{args.repeats} -> {run_dir}", flush=True)
-            proc = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), args.config,
-                                   *[f"--set={s}" for s in sets]], cwd=ROOT, capture_output=True, text=True)
-            run_dir.with_name(f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
-            if proc.returncode != 0:
-                print(proc.stdout[-2000:] + proc.stderr[-3000:], file=sys.stderr)
+            log = run_dir.with_name(f"{run_dir.name}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            if run_launch([args.config, *[f"--set={s}" for s in sets]], log=log, cwd=ROOT, forked=forked) != 0:
+                print(log.read_text(errors="replace")[-5000:], file=sys.stderr)
                 return 1
             runs[k].append(run_metrics(run_dir))
     figures = {k: summarize(r) for k, r in runs.items()}

@@ -6,17 +6,21 @@ to 0: the reward is exactly the correctness).
 
 * ``exact_answer``: :func:`~sparse_rl_mega.reward.exact.exact_answer_reward`, in process.
 * ``math``: answers extracted here (:mod:`sparse_rl_mega.reward.math`); pairs that plain string or
-  integer comparison cannot settle are checked with math-verify in a small pool of worker processes
-  (``python -m sparse_rl_mega.reward._math_worker``), sent in chunks. Each item has ``timeout_s`` from
-  the moment its worker starts it: a worker past the limit is killed (SIGKILL) and replaced, the item
-  scores 0 and is counted in ``stats.timeouts``; the rest of its chunk goes to another worker.
-  Workers die with the process (or thread) that started them and are stopped by :meth:`Scorer.close`.
+  integer comparison cannot settle are checked with math-verify in a small pool of worker processes,
+  sent in chunks. The workers are forks of one process that imported math-verify once
+  (``python -m sparse_rl_mega.reward._math_worker``): a worker replacing one costs a fork, not ~1.5
+  CPU-s of imports. Each item has ``timeout_s`` from the moment its worker starts it: a worker past the
+  limit is killed (SIGKILL) and replaced, the item scores 0 and is counted in ``stats.timeouts``; the
+  rest of its chunk goes to another worker. The forking process dies with the process (or thread) that
+  started it, the workers with it; :meth:`Scorer.close` stops them all.
 """
 from __future__ import annotations
 
 import json
 import os
 import selectors
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -127,37 +131,126 @@ class ExactAnswerScorer(Scorer):
         return correct, boxed
 
 
-class _Worker:
+class _WorkerForks:
+    """The process that imported math-verify once and forks the workers (``_math_worker``); it dies with
+    the thread that started it, and its workers with it."""
+
     def __init__(self, memory_mb: int) -> None:
+        ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sparse_rl_mega.reward._math_worker", str(os.getpid()), str(memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=_PACKAGE_ROOT, env=env, close_fds=True)
-        self.fd = self.proc.stdout.fileno()
+            [sys.executable, "-m", "sparse_rl_mega.reward._math_worker", str(os.getpid()), str(memory_mb),
+             str(theirs.fileno())], stdin=subprocess.DEVNULL, cwd=_PACKAGE_ROOT, env=env, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self.control = ours
+        self.asked = 0          # workers asked for
+        self.pids: list = []    # their pids, in the order asked, as the process answers
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, items_fd: int, answers_fd: int) -> int:
+        """Ask for a worker reading ``items_fd`` and writing ``answers_fd``; its number (see :meth:`pid`)."""
+        try:
+            socket.send_fds(self.control, [b"w"], [items_fd, answers_fd])
+        except OSError:  # it ended: the worker never starts, its answers' end closes with this request
+            pass
+        self.asked += 1
+        return self.asked - 1
+
+    def known_pid(self, number: int) -> Optional[int]:
+        """The pid of worker ``number`` if the process has answered already."""
+        return self.pids[number] if number < len(self.pids) else None
+
+    def pid(self, number: int) -> Optional[int]:
+        """The pid of worker ``number`` (waiting for the answer); None if the process ended first."""
+        if self.control.fileno() == -1:
+            return self.known_pid(number)
+        self.control.settimeout(WORKER_STARTUP_S)
+        while len(self.pids) <= number:
+            try:
+                answer = self.control.recv(4, socket.MSG_WAITALL)
+            except OSError:
+                answer = b""
+            if len(answer) < 4:
+                return None
+            self.pids.append(int.from_bytes(answer, "little"))
+        return self.pids[number]
+
+    def stop(self) -> None:
+        self.control.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class _Worker:
+    def __init__(self, forks: _WorkerForks) -> None:
+        items_r, self.items_w = os.pipe()
+        self.fd, answers_w = os.pipe()
+        self.forks = forks
+        self.number = forks.ask(items_r, answers_w)
+        os.close(items_r)
+        os.close(answers_w)
         self.buffer = b""
         self.ready = False
         self.spawned = time.monotonic()
         self.queue: list = []  # the items of the current chunk not answered yet; queue[0] is running
         self.started = 0.0     # when queue[0] started
 
-    def kill(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
+    @property
+    def pid(self) -> Optional[int]:
+        return self.forks.pid(self.number)
+
+    def write(self, data: bytes) -> None:
+        os.write(self.items_w, data)  # (a chunk is a few kB: one write; a dead reader raises BrokenPipeError)
+
+    def close(self) -> None:
+        for fd in (self.items_w, self.fd):
             try:
-                stream.close()
+                os.close(fd)
             except OSError:
                 pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+
+    def kill(self) -> None:
+        self.close()
+        _kill(self.pid)
 
 
-def _stop_workers(workers: list, owner_pid: int) -> None:
-    """Kill and reap every worker (they hold no state); only in the process that started them."""
+def _kill(pid: Optional[int]) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)  # (reaped by the forking process, or by init once that ended)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_workers(workers: list, forks: list, owner_pid: int) -> None:
+    """Kill every worker (they hold no state) and the process that forks them; only in the process that
+    started them. (A worker whose pid has not come yet dies with the forking process.)"""
     if os.getpid() != owner_pid:
         return
+    pids = [pid for pid in (w.forks.known_pid(w.number) for w in workers) if pid is not None]
     for w in workers:
-        w.kill()
+        w.close()
     workers.clear()
+    for pid in pids:
+        _kill(pid)
+    for f in forks:
+        f.stop()
+    forks.clear()
+    deadline = time.monotonic() + 5.0  # (not our children: gone once the kernel has delivered SIGKILL)
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class MathScorer(Scorer):
@@ -176,14 +269,15 @@ class MathScorer(Scorer):
         self._owner_pid = os.getpid()
         self._selector = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
+        self._forks: list[_WorkerForks] = []  # the process that forks the workers (restarted if it ended)
         self._startup_deaths = 0
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, self._owner_pid)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, self._forks, self._owner_pid)
         for _ in range(workers):  # they import math-verify in the background while the caller goes on
             self._spawn()
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
+        return [w.pid for w in self._workers]
 
     def wait_ready(self, timeout: float = WORKER_STARTUP_S) -> None:
         """Block until every worker has math-verify loaded (e.g. after replacements; ``score`` waits by itself)."""
@@ -199,7 +293,11 @@ class MathScorer(Scorer):
 
     # ------------------------------------------------------------------ pool
     def _spawn(self) -> _Worker:
-        w = _Worker(self.memory_mb)
+        if not self._forks or not self._forks[0].alive():
+            if self._forks:
+                self._forks.pop().stop()
+            self._forks.append(_WorkerForks(self.memory_mb))
+        w = _Worker(self._forks[0])
         self._workers.append(w)
         self._selector.register(w.fd, selectors.EVENT_READ, w)
         return w
@@ -227,8 +325,7 @@ class MathScorer(Scorer):
         w.queue = list(chunk)
         w.started = time.monotonic()
         try:
-            w.proc.stdin.write(json.dumps(chunk).encode() + b"\n")
-            w.proc.stdin.flush()
+            w.write(json.dumps(chunk).encode() + b"\n")
         except (BrokenPipeError, OSError):  # died while idle: nothing of the chunk ran
             chunks.appendleft(w.queue)
             w.queue = []
@@ -237,10 +334,11 @@ class MathScorer(Scorer):
     def _read(self, w: _Worker, results: dict, chunks: deque) -> None:
         data = os.read(w.fd, 1 << 16)
         if not data:
-            code = w.proc.wait()
             if not w.ready:
                 self._startup_deaths += 1
-                if code > 0 or self._startup_deaths >= 3:
+                # (no pid: the forking process ended before it forked this worker; its exit code)
+                code = w.forks.proc.wait(timeout=5) if w.pid is None else None
+                if (code is not None and code > 0) or self._startup_deaths >= 3:
                     raise RuntimeError(f"math reward worker exited with code {code} during startup "
                                        "(its stderr is above); is math-verify installed?")
             self._lost(w, results, chunks, "crash")

@@ -1,0 +1,105 @@
+"""``python tools/launch.py CONFIG --set ...`` from the tools that start several launches of one config
+(``tools/ablation.py``: a launch per variant; ``tools/bench_overlap.py``: one per staleness value and
+repeat).
+
+A launcher of a single-node CPU job imports torch, Megatron-Core and, when a rank hosts an engine, SGLang
+before it forks its ranks (``forked_ranks.py``): ~12 CPU-s of imports on these 2-core machines, again
+for every launch. :func:`start_launch_server` imports them once in the tool and forks multiprocessing's
+forkserver from it (``process_server.py``); :func:`run_launch` then runs each launch as a fork of that
+server, which runs ``tools/launch.py`` as a script, as a new interpreter would, under the tool's
+environment of that moment. Its ranks and engines start as they would under a new launcher (the launch
+forks its own rank server). GPU machines and multi-node configs launch new interpreters as before, and
+so does ``tools/chaos.py``: it finds a trial's processes by a variable of their initial environment
+(``/proc/PID/environ``), which a fork keeps from the process it was forked from.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from sparse_rl_mega import process_server
+
+LAUNCH_SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "launch.py"
+
+
+def start_launch_server(config: str, overrides: list[str]) -> bool:
+    """Import what ``tools/launch.py`` imports for the job of ``config`` with ``overrides`` (``KEY=VALUE``)
+    and fork the launches' server from this process (one thread running, no server yet, no GPU).
+    False (nothing forked) where the launches must be new interpreters; call it before anything that
+    starts a thread here (MLflow's SQL store does)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
+    from sparse_rl_mega.config import ConfigError, load_config
+    from sparse_rl_mega.forked_ranks import RANK_MODULES
+    from sparse_rl_mega.rollout.placement import hosts_an_engine
+
+    import torch
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError:
+        return False  # (the launch says what is wrong)
+    if cfg.parallel.nnodes != 1 or torch.cuda.is_available() or not process_server.can_fork_server():
+        return False
+    if any(hosts_an_engine(cfg, rank) for rank in range(cfg.parallel.nproc_per_node)):
+        from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
+
+        import_cpu_engine_modules()
+    import importlib
+
+    for name in RANK_MODULES:
+        importlib.import_module(name)
+    if not process_server.can_fork_server():  # (an import started a thread)
+        return False
+    process_server.fork_server()
+    return True
+
+
+def run_launch(args: list[str], log: Optional[Path] = None, cwd: Optional[Path] = None, forked: bool = False) -> int:
+    """``python tools/launch.py ARGS`` in ``cwd`` (default: this process's), its output to this process's
+    or, with ``log``, to that file; a fork of the launches' server with ``forked``
+    (:func:`start_launch_server`), else a new interpreter. Its exit code (negative: the signal that
+    ended it)."""
+    if not forked:
+        out = open(log, "w") if log else None
+        try:
+            return subprocess.call([sys.executable, str(LAUNCH_SCRIPT), *args], cwd=cwd, stdout=out,
+                                   stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out:
+                out.close()
+    import multiprocessing
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    launch = multiprocessing.get_context("forkserver").Process(
+        target=_run_launch_script, args=(dict(os.environ), list(args), str(log) if log else None, str(cwd or os.getcwd())),
+        name="launch")
+    launch.start()
+    launch.join()
+    return launch.exitcode
+
+
+def _run_launch_script(environment: dict[str, str], args: list[str], log: Optional[str], cwd: str) -> None:
+    """(In the fork) the tool's environment, working folder and output, then ``tools/launch.py`` run as
+    ``__main__`` with ``args``, as ``python tools/launch.py ARGS`` would run it."""
+    if log:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+    try:
+        import setproctitle
+
+        setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
+    except ImportError:
+        pass
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
+    sys.argv = [str(LAUNCH_SCRIPT), *args]
+    sys.path.insert(0, str(LAUNCH_SCRIPT.parent))  # (as python SCRIPT puts it first)
+    runpy.run_path(str(LAUNCH_SCRIPT), run_name="__main__")

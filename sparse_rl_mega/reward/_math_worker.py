@@ -78,13 +78,17 @@ def main() -> None:
         if not message:  # the parent closed its end (or ended)
             return
         pid = os.fork()
-        if pid == 0:  # a worker
-            control.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _die_with_parent(forking_pid)
-            with os.fdopen(fds[0], "rb") as items, os.fdopen(fds[1], "wb") as out:
-                _serve_items(items, out, memory_mb)
-            os._exit(0)
+        if pid == 0:  # a worker: it never returns to this loop
+            code = 1
+            try:
+                control.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _die_with_parent(forking_pid)
+                with os.fdopen(fds[0], "rb") as items, os.fdopen(fds[1], "wb") as out:
+                    _serve_items(items, out, memory_mb)
+                code = 0
+            finally:
+                os._exit(code)
         for fd in fds:
             os.close(fd)
         control.sendall(pid.to_bytes(4, "little"))

@@ -203,7 +203,9 @@ class _Worker:
         return self.forks.pid(self.number)
 
     def write(self, data: bytes) -> None:
-        os.write(self.items_w, data)  # (a chunk is a few kB: one write; a dead reader raises BrokenPipeError)
+        """Send ``data`` to the worker (a dead one: BrokenPipeError)."""
+        while data:
+            data = data[os.write(self.items_w, data):]
 
     def close(self) -> None:
         for fd in (self.items_w, self.fd):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import runpy
 import sys
 from typing import Optional
 
@@ -125,18 +124,8 @@ def run_rank(environment: dict[str, str], script: str, argv: list[str]) -> None:
     launcher's as it started the job) plus the variables torchrun set for this rank, then ``script``
     run as ``__main__`` with ``argv``, unbuffered as torchrun's ``python -u`` would run it."""
     torchrun_vars = {k: v for k, v in os.environ.items() if _server_environment.get(k) != v}
-    try:
-        import setproctitle
-
-        setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
-    except ImportError:
-        pass
-    os.environ.clear()
-    os.environ.update(environment)
-    os.environ.update(torchrun_vars)
+    process_server.take_environment({**environment, **torchrun_vars})
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # (as python SCRIPT puts it first)
-    runpy.run_path(script, run_name="__main__")
+    process_server.run_script(script, argv)
 

@@ -15,7 +15,6 @@ so does ``tools/chaos.py``: it finds a trial's processes by a variable of their 
 from __future__ import annotations
 
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -91,15 +90,6 @@ def _run_launch_script(environment: dict[str, str], args: list[str], log: Option
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
-    try:
-        import setproctitle
-
-        setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
-    except ImportError:
-        pass
-    os.environ.clear()
-    os.environ.update(environment)
+    process_server.take_environment(environment)
     os.chdir(cwd)
-    sys.argv = [str(LAUNCH_SCRIPT), *args]
-    sys.path.insert(0, str(LAUNCH_SCRIPT.parent))  # (as python SCRIPT puts it first)
-    runpy.run_path(str(LAUNCH_SCRIPT), run_name="__main__")
+    process_server.run_script(str(LAUNCH_SCRIPT), args)

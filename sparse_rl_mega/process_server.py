@@ -4,8 +4,10 @@ interpreter.
 multiprocessing's own server is a fresh interpreter that imports its preload list: every process it
 forks begins with those modules. Forked from a process that has imported what its children need
 (torch, Megatron-Core, SGLang: 10-25 CPU-s on these 2-core machines), the server has them at no cost,
-and so does every process it forks. The engines' server (``rollout/forkserver.py``) and the learner
-ranks' server of a single-node CPU job (``forked_ranks.py``) are made here.
+and so does every process it forks. The engines' server (``rollout/forkserver.py``), the learner
+ranks' server of a single-node CPU job (``forked_ranks.py``) and the launches' server of the tools that
+start several launches (``launches.py``) are made here; a forked process takes its caller's environment
+(:func:`take_environment`) and may run a script as ``python SCRIPT`` would (:func:`run_script`).
 
 A fork keeps only the calling thread: locks that other threads hold would stay locked in the server,
 so it is forked only while this process runs one thread (:func:`threads_running`). The server keeps
@@ -67,6 +69,28 @@ def fork_server(setup: Optional[Callable[[], None]] = None) -> int:
     server = multiprocessing.forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return pid
+
+
+def take_environment(environment: dict[str, str]) -> None:
+    """(In a forked process, which has its server's environment) make ``environment`` this process's."""
+    try:
+        import setproctitle
+
+        setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
+    except ImportError:
+        pass
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def run_script(script: str, argv: list[str]) -> None:
+    """Run ``script`` as ``__main__`` with ``argv``, its folder first on ``sys.path``, as ``python SCRIPT
+    ARGV`` would (in a forked process that imported what it needs already)."""
+    import runpy
+
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
 
 
 def _serve(listener_fd: int, alive_r: int, setup: Optional[Callable[[], None]]) -> None:

@@ -87,11 +87,7 @@ class EngineProcess(ForkServerProcess):
         _started[self.pid] = self
 
     def run(self) -> None:
-        import setproctitle
-
-        setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
-        os.environ.clear()
-        os.environ.update(self._environ)
+        process_server.take_environment(self._environ)
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)  # the server's SIG_IGN is not this process's
         # The server's preloaded modules (torch, SGLang: ~680k objects) live as long as the process:
         # frozen, a garbage collection skips them. SGLang's CPU ``empty_cache`` is a gc.collect() (at

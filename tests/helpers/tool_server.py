@@ -89,9 +89,7 @@ def _serve(listener: socket.socket) -> dict:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            connection = waiting.pop(pid)
-            connection.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-            connection.close()
+            _answer(waiting.pop(pid), {"exit": os.waitstatus_to_exitcode(status)})
         if listener in ready:
             connection, _ = listener.accept()
             request = json.loads(connection.makefile().readline())
@@ -107,12 +105,22 @@ def _serve(listener: socket.socket) -> dict:
                     other.close()
                 return request
             waiting[pid] = connection
-            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            _answer(connection, {"pid": pid}, close=False)
+
+
+def _answer(connection: socket.socket, answer: dict, close: bool = True) -> None:
+    """One answer line; a client that has gone (a failed test) leaves the server serving the others."""
+    try:
+        connection.sendall(json.dumps(answer).encode() + b"\n")
+    except OSError:
+        pass
+    if close:
+        connection.close()
 
 
 def _become(request: dict) -> str:
     """In the forked process: what ``python SCRIPT ARGS`` would have; returns the script's path."""
-    import setproctitle
+    from sparse_rl_mega.process_server import take_environment
 
     os.setsid()
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
@@ -124,9 +132,7 @@ def _become(request: dict) -> str:
         os.dup2(opened, fd)
         os.close(opened)
     os.chdir(request["cwd"])
-    setproctitle.getproctitle()  # (sets it up: it relocates the environment, cannot after a clear())
-    os.environ.clear()
-    os.environ.update(request["env"])
+    take_environment(request["env"])
     script = os.path.abspath(request["script"])
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)  # (python SCRIPT puts the script's folder first)

@@ -27,34 +27,19 @@ LAUNCH_SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "launch.py"
 
 def start_launch_server(config: str, overrides: list[str]) -> bool:
     """Import what ``tools/launch.py`` imports for the job of ``config`` with ``overrides`` (``KEY=VALUE``)
-    and fork the launches' server from this process (one thread running, no server yet, no GPU).
+    and fork the launches' server from this process, as a launcher forks its ranks' server
+    (``forked_ranks.start_job_rank_server``: one node, one thread running, no server yet, no GPU).
     False (nothing forked) where the launches must be new interpreters; call it before anything that
     starts a thread here (MLflow's SQL store does)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
     from sparse_rl_mega.config import ConfigError, load_config
-    from sparse_rl_mega.forked_ranks import RANK_MODULES
-    from sparse_rl_mega.rollout.placement import hosts_an_engine
-
-    import torch
+    from sparse_rl_mega.forked_ranks import start_job_rank_server
 
     try:
         cfg = load_config(config, overrides)
     except ConfigError:
         return False  # (the launch says what is wrong)
-    if cfg.parallel.nnodes != 1 or torch.cuda.is_available() or not process_server.can_fork_server():
-        return False
-    if any(hosts_an_engine(cfg, rank) for rank in range(cfg.parallel.nproc_per_node)):
-        from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
-
-        import_cpu_engine_modules()
-    import importlib
-
-    for name in RANK_MODULES:
-        importlib.import_module(name)
-    if not process_server.can_fork_server():  # (an import started a thread)
-        return False
-    process_server.fork_server()
-    return True
+    return start_job_rank_server(cfg)
 
 
 def run_launch(args: list[str], log: Optional[Path] = None, cwd: Optional[Path] = None, forked: bool = False) -> int:

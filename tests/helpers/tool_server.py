@@ -40,11 +40,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # read only after the scripts start (by pytest, the fault injector and the engines' KV plugin), so a run
 # may set them differently from the server's environment
 READ_AFTER_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "SPARSE_RL_MEGA_FAULT", "SPARSE_RL_MEGA_KV"})
-# what the scripts import beyond torch (SGLang's modules come first, under the engines' environment)
-PRELOAD = ("sparse_rl_mega.trainer", "sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
-           "sparse_rl_mega.learner.checkpoint", "sparse_rl_mega.learner.weights", "sparse_rl_mega.rollout.fleet",
-           "sparse_rl_mega.tracking", "sparse_rl_mega.forked_ranks", "safetensors.torch",
-           "torch.distributed.run", "torch.distributed.launcher.api",
+# what the scripts import beyond a launcher's ranks (forked_ranks.RANK_MODULES; SGLang's modules come
+# first, under the engines' environment): torchrun's agent, export's writer, transformers' models
+PRELOAD = ("sparse_rl_mega.forked_ranks", "safetensors.torch", "torch.distributed.run", "torch.distributed.launcher.api",
            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
            "transformers.models.qwen3.modeling_qwen3")
 
@@ -55,10 +53,11 @@ PRELOAD = ("sparse_rl_mega.trainer", "sparse_rl_mega.learner.model", "sparse_rl_
 def _preload() -> None:
     sys.path.insert(0, str(ROOT))
     from sparse_rl_mega import process_server
+    from sparse_rl_mega.forked_ranks import RANK_MODULES
     from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
 
     import_cpu_engine_modules()
-    for name in PRELOAD:
+    for name in (*RANK_MODULES, *PRELOAD):
         importlib.import_module(name)
     # MLflow's client and SQL store (rank 0 of a launch, the tools that read results): pyarrow, which
     # it loads, starts jemalloc's background thread unless told not to (here, for the import)

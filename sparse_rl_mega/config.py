@@ -238,6 +238,9 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
     loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    # what the step's summed loss is divided by: every sequence of the step (token-mean: every response
+    # token), rejected ones included, as the paper's release does; or only what the correction kept
+    loss_denominator: Literal["batch", "kept"] = "batch"
     advantage_std_normalize: bool = True
     # GRPO statistics over every sample of a group (default) or only over those that survive rejection
     advantage_after_rejection: bool = False

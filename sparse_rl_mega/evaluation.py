@@ -6,6 +6,7 @@ sampling seed, so the settings differ only by the KV cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Callable, Optional, Sequence
@@ -18,13 +19,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def request_kv(kv, policy: str, budget: int) -> dict:
+    """The per-request KV settings of ``policy`` at ``budget`` with every other field of ``kv`` (a
+    KVCompressionConfig: sink, window, interval, selection, shared scores and the policy's parameters,
+    e.g. R-KV's kernel and lambda), whatever ``kv``'s own policy is (a dense run's section still says
+    how its compressed evaluation scores)."""
+    setting = dataclasses.replace(kv, policy=policy, budget=budget)
+    return {"policy": policy, "budget": budget, "sink": setting.sink, "window": setting.window,
+            "interval": setting.interval, "selection": setting.selection, "shared_scores": setting.shared_scores,
+            "params": setting.policy_params()}
+
+
 def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[dict]]]:
     """``"dense,rollout,snapkv:64"`` -> ``[(label, per-request KV override or None), ...]``.
 
-    ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget (the engine's
-    other KV settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig,
-    names the label; the override is None). A setting named twice ('rollout' and the same explicit
-    setting) is evaluated once. Raises ValueError naming the bad item."""
+    ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget with every
+    other field of ``rollout_kv`` (:func:`request_kv`; without ``rollout_kv``, the engine's other
+    settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig, names the
+    label; the override is None). A setting named twice ('rollout' and the same explicit setting) is
+    evaluated once. Raises ValueError naming the bad item."""
     from sparse_rl_mega.kv.policies import POLICIES
 
     out: list[tuple[str, Optional[dict]]] = []
@@ -44,7 +57,8 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
             if name not in POLICIES or not budget.isdigit() or int(budget) <= 0:
                 raise ValueError(f"{item!r}: expected dense, rollout or POLICY:BUDGET with POLICY in "
                                  f"{sorted(POLICIES)} and BUDGET a positive integer")
-            out.append((item, {"policy": name, "budget": int(budget)}))
+            out.append((item, {"policy": name, "budget": int(budget)} if rollout_kv is None
+                        else request_kv(rollout_kv, name, int(budget))))
     if not out:
         raise ValueError("no KV setting given")
     # 'rollout' may name a setting also listed explicitly (dense rollouts and 'dense'): evaluate it once

@@ -11,12 +11,18 @@ Variants (same seed, data, prompts order and sampling seeds; only what the varia
   dense      rollouts without KV compression (rollout.kv_compression.policy: none), correction as in CONFIG
   tis, icepop, bypass    sparse rollouts with that correction preset (docs/algorithm.md)
 
+When the config evaluates (``eval.path``), every variant is evaluated under dense decoding and under
+the rollout's own compression (``eval.kv`` = ``dense,POLICY:BUDGET`` of CONFIG's ``kv_compression``,
+the dense variant included: its compressed evaluation uses every other field of that section), and
+the summary gives each its ratio to the dense-trained model and the drop from dense to sparse decoding.
+
 Each variant is one ``tools/launch.py`` run into ``OUT/<variant>`` (on a CPU node a fork of this process,
 which imported the launcher's modules once: sparse_rl_mega/launches.py); all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
 ``OUT/ablation.png`` (reward, mismatch k3, token rejection, the largest importance weight, evicted tokens and
-held-out accuracy with its standard error), ``OUT/ablation.md`` (a table, with each variant's final
-held-out accuracy as a ratio to the dense variant's) and ``OUT/ablation.json``, and logs them as a
+held-out accuracy with its standard error), ``OUT/ablation.md`` (a table of the training metrics and
+one of the final held-out accuracies: per KV setting, the ratio to the dense variant's and the drop
+from dense decoding, each with its paired standard error) and ``OUT/ablation.json``, and logs them as a
 summary run. Every variant's config is validated before the first one starts. A variant that already
 finished in OUT (its MLflow run ended with every iteration logged) is not run again unless --rerun:
 re-running the command after an interruption continues with the variants still missing.
@@ -38,11 +44,17 @@ from sparse_rl_mega.config import CORRECTION_PRESETS, ConfigError, load_config  
 from sparse_rl_mega.launches import run_launch, start_launch_server  # noqa: E402
 
 EXPERIMENT = "ablation"
-# (metric, axis title) per panel; the last panel is held-out accuracy when the config evaluates
-CURVES = [("reward/mean", "training reward"), ("mismatch/k3", "mismatch k3 (dense vs sparse sampler)"),
-          ("correction/token_rejected_fraction", "token rejection fraction"),
-          ("correction/is_weight_max", "largest importance weight (their mean is 1)"),
-          ("kv/evicted_tokens_per_sample", "evicted tokens per sample")]
+# (axis title, [(metric, line label)]) per panel; the last panel is held-out accuracy when the config evaluates
+PANELS = [("training reward", [("reward/mean", "")]),
+          ("mismatch k3 (dense vs sparse sampler)", [("mismatch/k3", "")]),
+          ("tokens rejected: all, rho < 1 (low), rho > 1 (high)",
+           [("correction/token_rejected_fraction", ""), ("correction/token_rejected_low_fraction", " low"),
+            ("correction/token_rejected_high_fraction", " high")]),
+          ("log rho over response tokens: p1, p5, p50",
+           [("mismatch/log_rho_p1", " p1"), ("mismatch/log_rho_p5", " p5"), ("mismatch/log_rho_p50", " p50")]),
+          ("largest importance weight (their mean is 1)", [("correction/is_weight_max", "")]),
+          ("evicted tokens per sample", [("kv/evicted_tokens_per_sample", "")])]
+CURVES = [key for _, lines in PANELS for key, _ in lines]
 
 
 def variant_overrides(name: str) -> list[str]:
@@ -80,8 +92,13 @@ def plan(args) -> tuple[Path, dict[str, list[str]], dict[str, int]]:
     out = (args.out or ROOT / "runs" / "ablation" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
     runs, iterations = {}, {}
+    base = load_config(args.config, args.overrides)  # raises ConfigError naming the key
+    kv = base.rollout.kv_compression
+    evaluated = []  # every variant dense and under the rollout's compression (the user's --set wins)
+    if base.eval.path is not None and kv.policy != "none":
+        evaluated = [f"eval.kv=dense,{kv.policy}:{kv.budget}"]
     for name in names:
-        overrides = [*args.overrides, *variant_overrides(name), f"trainer.run_dir={out / name}",
+        overrides = [*evaluated, *args.overrides, *variant_overrides(name), f"trainer.run_dir={out / name}",
                      f"tracking.tracking_uri={tracking}", f"tracking.experiment={EXPERIMENT}",
                      f"tracking.run_name={name}", "tracking.enabled=true"]
         if args.iterations is not None:
@@ -126,7 +143,7 @@ def collect(tracking_uri: str, names: list[str], out: Path) -> dict[str, dict]:
         if run is None:
             continue
         run_id = run.info.run_id
-        curves = {key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key, _ in CURVES}
+        curves = {key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key in CURVES}
         eval_file = out / name / "eval.json"
         evals = json.loads(eval_file.read_text())["history"] if eval_file.is_file() else []
         data[name] = {"run_id": run_id, "curves": curves, "eval": evals}
@@ -159,8 +176,59 @@ def per_problem(evaluation: dict, label: str) -> list[float]:
     return [c / row["samples_per_problem"] for c in row["correct_per_problem"]]
 
 
-def summarize(data: dict[str, dict]) -> tuple[list[dict], str]:
-    """One row per variant and a markdown table of them."""
+def difference_with_stderr(x: list[float], y: list[float]) -> tuple[float, float]:
+    """``mean(x - y)`` of paired per-problem accuracies and its standard error (over problems)."""
+    from sparse_rl_mega.evaluation import mean_stderr
+
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"need two paired lists of >= 2 problems, got {len(x)} and {len(y)}")
+    diffs = [a - b for a, b in zip(x, y)]
+    return sum(diffs) / len(diffs), mean_stderr(diffs)
+
+
+def metric_name(label: str) -> str:
+    """A KV setting's label as MLflow accepts it in a metric name (``rkv:32`` -> ``rkv_32``)."""
+    return label.replace(":", "_")
+
+
+def held_out(data: dict[str, dict]) -> list[dict]:
+    """Per variant and KV setting of its last evaluation: accuracy before and after with standard
+    errors, the ratio to the dense variant's accuracy under the same setting (paired over problems)
+    and the drop from the variant's own dense decoding (dense minus this setting)."""
+    rows = []
+    dense_run = data.get("dense", {}).get("eval")
+    for name, d in data.items():
+        if not d["eval"]:
+            continue
+        first, last = d["eval"][0], d["eval"][-1]
+        for label, result in last["results"].items():
+            row = {"variant": name, "setting": label, "iterations": last["iteration"],
+                   "before": first["results"].get(label, {}).get("mean_at_k", float("nan")),
+                   "after": result["mean_at_k"], "after_stderr": result.get("mean_at_k_stderr", float("nan"))}
+            paired = "correct_per_problem" in result
+            if paired and name != "dense" and dense_run and dense_run[-1]["iteration"] == last["iteration"] \
+                    and label in dense_run[-1]["results"]:
+                row["ratio_to_dense"], row["ratio_stderr"] = ratio_with_stderr(
+                    per_problem(last, label), per_problem(dense_run[-1], label))
+            if paired and label != "dense" and "dense" in last["results"]:
+                row["drop_from_dense"], row["drop_stderr"] = difference_with_stderr(
+                    per_problem(last, "dense"), per_problem(last, label))
+            rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row.get(k, float('nan')):.3f}" if isinstance(row.get(k), float)
+                                       else str(row.get(k, "")) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
+    """One row per variant (training metrics), one per variant and KV setting (held-out accuracy),
+    and markdown tables of them."""
     rows = []
     for name, d in data.items():
         reward = d["curves"]["reward/mean"]
@@ -171,25 +239,13 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], str]:
                "reward_last_third": _mean(reward[s] for s in tail),
                "k3_mean": _mean(d["curves"]["mismatch/k3"].values()),
                "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values()),
+               "token_rejected_low_mean": _mean(d["curves"]["correction/token_rejected_low_fraction"].values()),
                "is_weight_max_mean": _mean(d["curves"]["correction/is_weight_max"].values())}
-        if d["eval"]:
-            first, last = d["eval"][0], d["eval"][-1]
-            for label in last["results"]:
-                row[f"eval_{label}_before"] = first["results"].get(label, {}).get("mean_at_k", float("nan"))
-                row[f"eval_{label}_after"] = last["results"][label]["mean_at_k"]
-                row[f"eval_{label}_after_stderr"] = last["results"][label].get("mean_at_k_stderr", float("nan"))
-            dense = data.get("dense", {}).get("eval")
-            if dense and name != "dense" and "correct_per_problem" in last["results"].get("dense", {}) \
-                    and dense[-1]["iteration"] == last["iteration"]:
-                ratio, stderr = ratio_with_stderr(per_problem(last, "dense"), per_problem(dense[-1], "dense"))
-                row["eval_dense_after_ratio_to_dense"], row["eval_dense_after_ratio_stderr"] = ratio, stderr
         rows.append(row)
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for row in rows:
-        lines.append("| " + " | ".join(f"{row.get(k, float('nan')):.3f}" if isinstance(row.get(k), float)
-                                       else str(row.get(k, "")) for k in keys) + " |")
-    return rows, "\n".join(lines)
+    accuracy = held_out(data)
+    table = _table(rows) + ("\n\nHeld-out mean@k after the last iteration, +- s.e. over problems (ratios and "
+                           "drops paired over the same problems):\n\n" + _table(accuracy) if accuracy else "")
+    return rows, accuracy, table
 
 
 def plot(data: dict[str, dict], path: Path) -> None:
@@ -199,7 +255,7 @@ def plot(data: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     has_eval = any(d["eval"] for d in data.values())
-    panels = len(CURVES) + int(has_eval)
+    panels = len(PANELS) + int(has_eval)
     columns = min(panels, 3)
     rows = -(-panels // columns)
     fig, grid = plt.subplots(rows, columns, figsize=(4.4 * columns, 3.3 * rows), squeeze=False)
@@ -207,21 +263,27 @@ def plot(data: dict[str, dict], path: Path) -> None:
     for ax in axes[panels:]:
         ax.set_visible(False)
     axes = axes[:panels]
-    for ax, (key, title) in zip(axes, CURVES):
-        for name, d in data.items():
-            points = sorted(d["curves"][key].items())
-            ax.plot([s + 1 for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=name)
+    styles = ["-", "--", ":"]
+    for ax, (title, lines) in zip(axes, PANELS):
+        for k, name in enumerate(data):
+            for (key, suffix), style in zip(lines, styles):
+                points = sorted(data[name]["curves"][key].items())
+                if not points:  # (a run logged before the metric existed)
+                    continue
+                ax.plot([s + 1 for s, _ in points], [v for _, v in points], marker="o", markersize=3,
+                        linestyle=style, color=f"C{k}", label=name + suffix)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("iteration")
     if has_eval:
         ax = axes[-1]
-        for name, d in data.items():
+        for k, (name, d) in enumerate(data.items()):
             labels = list(d["eval"][-1]["results"]) if d["eval"] else []
             for label in labels:
                 points = [(h["iteration"], h["results"][label]) for h in d["eval"] if label in h["results"]]
                 ax.errorbar([i for i, _ in points], [r["mean_at_k"] for _, r in points],
                             yerr=[r.get("mean_at_k_stderr", 0.0) for _, r in points], marker="o", markersize=3,
-                            capsize=2, linestyle="-" if label == "dense" else "--", label=f"{name} ({label})")
+                            capsize=2, linestyle="-" if label == "dense" else "--", color=f"C{k}",
+                            label=f"{name} ({label})")
         ax.set_title("held-out accuracy, mean@k +- 1 s.e. (dense decoding -)", fontsize=9)
         ax.set_xlabel("iterations trained")
         ax.set_ylim(0, 1)
@@ -263,7 +325,7 @@ def main(argv=None) -> int:
             continue
         started = time.perf_counter()
         print(f"[ablation] ({k}/{len(runs)}) {name}: tools/launch.py {args.config} "
-              + " ".join(f"--set {o}" for o in overrides[len(args.overrides):]), flush=True)
+              + " ".join(f"--set {o}" for o in overrides if o not in args.overrides), flush=True)
         code = run_launch([args.config, *[f"--set={o}" for o in overrides]], forked=forked)
         print(f"[ablation] {name}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
         if code != 0:
@@ -273,10 +335,10 @@ def main(argv=None) -> int:
     if not data:
         print("[ablation] no variant produced metrics", file=sys.stderr)
         return 1
-    rows, table = summarize(data)
+    rows, accuracy, table = summarize(data)
     (out / "ablation.md").write_text(table + "\n")
     (out / "ablation.json").write_text(json.dumps({"config": str(args.config), "overrides": args.overrides,
-                                                   "rows": rows, "variants": data}, indent=2))
+                                                   "rows": rows, "held_out": accuracy, "variants": data}, indent=2))
     plot(data, out / "ablation.png")
 
     mlflow.set_experiment(EXPERIMENT)
@@ -286,6 +348,10 @@ def main(argv=None) -> int:
             for key, value in row.items():
                 if isinstance(value, float):
                     mlflow.log_metric(f"{row['variant']}/{key}", value)
+        for row in accuracy:
+            for key, value in row.items():
+                if isinstance(value, float):
+                    mlflow.log_metric(f"{row['variant']}/eval_{metric_name(row['setting'])}/{key}", value)
         for name in ("ablation.md", "ablation.json", "ablation.png"):
             mlflow.log_artifact(str(out / name))
     print(table)

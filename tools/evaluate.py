@@ -2,13 +2,20 @@
 """Accuracy of a model under dense and under sparse (KV-compressed) inference, on one SGLang engine.
 
 Every benchmark is decoded once per KV setting (``none`` = dense, or ``POLICY:BUDGET``) with the same
-prompts, seeds and sampling, so the columns differ only by the KV cache. Reports per benchmark and
+prompts, seeds and sampling, so the columns differ only by the KV cache. A ``POLICY:BUDGET`` setting
+takes every other KV field (sink, window, interval, selection, kernel, lambda, ...) from ``--config``'s
+``rollout.kv_compression`` (a run's config: evaluate as that run's rollouts decoded; ``rollout`` names
+its own setting), else from the defaults below, each replaced by its flag when given. Reports per benchmark and
 setting: mean@k (the mean correctness of k samples per problem; pass@1 with k=1 or greedy), pass@k
 (unbiased estimator) and the mean response length; prints a table, writes ``--json`` and a PNG plot,
 and logs everything to MLflow.
 
     python tools/evaluate.py runs/assets/smollm2-135m-instruct --benchmarks gsm8k,math500 \\
         --kv none,rkv:64,snapkv:64,streaming:64 --limit 100
+    # the paper's release R-KV (one kept set for all layers from the first layer's scores, no sinks):
+    python tools/evaluate.py MODEL --benchmarks math500 --kv none,rkv:512 --selection shared --sink 0
+    # as a run's rollouts decoded, dense and compressed:
+    python tools/evaluate.py runs/my_run/checkpoints --config my_run.yaml --benchmarks math500 --kv none,rollout
 
 MODEL is an HF folder, or a training checkpoint (an ``iter_*`` folder or a checkpoints folder), which
 is first exported to an HF folder with ``tools/export_hf.py``. A benchmark is a jsonl of
@@ -37,10 +44,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("model", help="HF model folder, or a training checkpoint (iter_* or a checkpoints folder)")
     p.add_argument("--benchmarks", required=True, help="comma-separated jsonl paths or names in --data-dir")
     p.add_argument("--data-dir", default=str(ROOT / "runs" / "data"))
-    p.add_argument("--kv", default="none", help="comma-separated KV settings: none | POLICY:BUDGET (e.g. rkv:64)")
-    p.add_argument("--interval", type=int, default=16, help="decode steps between compressions (N)")
-    p.add_argument("--window", type=int, default=8, help="recent window / scoring queries (w)")
-    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--kv", default="none",
+                   help="comma-separated KV settings: none | POLICY:BUDGET (e.g. rkv:64) | rollout (--config's own)")
+    p.add_argument("--config", default=None, help="a run config: the KV fields of its rollout.kv_compression")
+    kv = p.add_argument_group("KV fields (default: --config's rollout.kv_compression, else the values shown)")
+    kv.add_argument("--interval", type=int, help="decode steps between compressions (N; default 16)")
+    kv.add_argument("--window", type=int, help="recent window / scoring queries (w; default 8)")
+    kv.add_argument("--sink", type=int, help="first tokens always kept (default 4; the published R-KV/SnapKV: 0)")
+    kv.add_argument("--selection", choices=["per_layer", "per_head", "shared"],
+                    help="a kept set per layer (default), per KV head, or one for every layer (the paper's release)")
+    kv.add_argument("--shared-scores", choices=["first_layer", "layer_sum"],
+                    help="shared selection scored on the first layer (default, release) or all layers")
+    kv.add_argument("--trigger", choices=["length", "newline"], help="also compress at line ends (default length)")
+    kv.add_argument("--kernel", type=int, help="snapkv/rkv pooling kernel (odd; default 7)")
+    kv.add_argument("--pool", choices=["max", "avg"], help="snapkv/rkv pooling (default max)")
+    kv.add_argument("--gqa-pool", choices=["max", "mean"], help="snapkv/rkv over a KV head's queries (default max)")
+    kv.add_argument("--lam", type=float, help="rkv importance weight (default 0.1)")
+    kv.add_argument("--similarity-threshold", type=float, help="rkv near-duplicate threshold (default 0.5)")
     p.add_argument("--samples", type=int, default=1, help="samples per problem (k)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (then --samples must be 1)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -60,14 +80,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def parse_kv(spec: str) -> list[tuple[str, dict]]:
-    """``none,rkv:64`` -> ``[("dense", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64})]``."""
-    from sparse_rl_mega.evaluation import parse_kv_variants
+KV_FIELDS = ("interval", "window", "sink", "selection", "shared_scores", "trigger", "kernel", "pool", "gqa_pool", "lam",
+             "similarity_threshold")
 
+
+def kv_base(args):
+    """The KVCompressionConfig every ``POLICY:BUDGET`` setting takes its other fields from."""
+    import dataclasses
+
+    from sparse_rl_mega.config import KVCompressionConfig, load_config_or_exit
+
+    base = load_config_or_exit(args.config).rollout.kv_compression if args.config else KVCompressionConfig(interval=16)
+    return dataclasses.replace(base, **{f: getattr(args, f) for f in KV_FIELDS if getattr(args, f) is not None})
+
+
+def parse_kv(spec: str, base=None) -> list[tuple[str, dict]]:
+    """``none,rkv:64`` -> ``[("dense", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64, ...})]``
+    (each compressed setting with every other field of ``base``, a KVCompressionConfig), checked as the
+    engine will check it. Exits with one line naming the bad setting."""
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.config import KVCompressionConfig
+    from sparse_rl_mega.evaluation import parse_kv_variants
+    from sparse_rl_mega.kv import build_policy
+
+    base = base or KVCompressionConfig(interval=16)
     try:
-        return parse_kv_variants(spec)
+        variants = parse_kv_variants(spec, base)
     except ValueError as exc:
         raise SystemExit(f"--kv: {exc}") from None
+    engine = EngineKVSettings.from_config(base)
+    for label, override in variants:
+        setting = engine.updated(override) if override is not None else engine
+        if setting.enabled:
+            try:
+                build_policy(setting.policy, sink=setting.sink, window=setting.window, selection=setting.selection,
+                             shared_scores=setting.shared_scores, **setting.params).check_budget(setting.budget)
+            except (ValueError, TypeError) as exc:
+                raise SystemExit(f"--kv {label}: {exc}") from None
+    return variants
 
 
 def resolve_model(model: str, workdir: Path) -> Path:
@@ -97,20 +147,20 @@ def load_benchmarks(names: str, data_dir: Path, limit) -> dict:
     return out
 
 
-def evaluate(model_dir: Path, benchmarks: dict, variants: list, args, log=print) -> dict:
-    """Decode every benchmark under every KV setting on one engine; returns nested results."""
+def evaluate(model_dir: Path, benchmarks: dict, variants: list, base, args, log=print) -> dict:
+    """Decode every benchmark under every KV setting on one engine (started with ``base``'s settings,
+    a KVCompressionConfig, taking any other per request); returns nested results."""
     from transformers import AutoTokenizer
 
-    from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.config import RewardConfig
     from sparse_rl_mega.data.formatting import encode_prompt
     from sparse_rl_mega.evaluation import evaluate_on_engine
     from sparse_rl_mega.reward import build_scorer
-    from sparse_rl_mega.rollout.engine import RolloutEngine
+    from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    settings = EngineKVSettings(policy="none", allow_request_override=True, window=args.window, sink=args.sink,
-                                interval=args.interval)
+    settings = engine_kv_settings(base, tokenizer)
+    settings.allow_request_override = True
     started = time.perf_counter()
     engine = RolloutEngine(str(model_dir), settings, seed=args.seed, max_total_tokens=args.max_total_tokens)
     log(f"[evaluate] engine up in {time.perf_counter() - started:.1f} s ({engine.started})")
@@ -187,7 +237,8 @@ def main(argv=None) -> int:
 
     quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
     args = parse_args(argv)
-    variants = parse_kv(args.kv)
+    base = kv_base(args)
+    variants = parse_kv(args.kv, base)
     from sparse_rl_mega.rollout.engine import preload_cpu_engines
 
     preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)
@@ -196,7 +247,7 @@ def main(argv=None) -> int:
     benchmarks = load_benchmarks(args.benchmarks, Path(args.data_dir), args.limit)
     with tempfile.TemporaryDirectory(prefix="evaluate-", dir=out) as workdir:
         model_dir = resolve_model(args.model, Path(workdir))
-        results = evaluate(model_dir, benchmarks, variants, args)
+        results = evaluate(model_dir, benchmarks, variants, base, args)
     (out / "results.json").write_text(json.dumps({"model": args.model, "args": vars(args), "results": results},
                                                  indent=2))
     plot(results, args.samples, out / "accuracy.png")

@@ -140,16 +140,21 @@ def compute_correction(logp_old: torch.Tensor, logp_sparse: torch.Tensor, respon
 
     # ---- metrics (sums over the group first, then ratios)
     k1, k2, k3 = (divergence(log_ratio, e) * mask for e in ("k1", "k2", "k3"))
+    # which side a rejected token fell on: rho < 1, a token the compressed sampler preferred; rho > 1,
+    # one the dense policy preferred
+    rejected_low = token_rejected & (log_ratio < 0)
     sums = _reduce([mask.sum(), has_tokens.sum(), (vetoed & has_tokens).sum(), (seq_dropped & has_tokens).sum(),
-                    token_rejected.sum(), loss_mask.sum(), k1.sum(), k2.sum(), k3.sum(),
+                    token_rejected.sum(), rejected_low.sum(), loss_mask.sum(), k1.sum(), k2.sum(), k3.sum(),
                     is_weights.sum(), (is_weights.pow(2)).sum()], group)
-    n_tok, n_seq, n_veto, n_drop, n_rej, kept, k1_sum, k2_sum, k3_sum, w_sum, w2_sum = sums
+    n_tok, n_seq, n_veto, n_drop, n_rej, n_rej_low, kept, k1_sum, k2_sum, k3_sum, w_sum, w2_sum = sums
     w_max, = _reduce([is_weights.max() if is_weights.numel() else torch.tensor(0.0)], group, dist.ReduceOp.MAX)
     n_tok_c, n_seq_c = n_tok.clamp(min=1), n_seq.clamp(min=1)
     metrics = {
         "correction/veto_fraction": float(n_veto / n_seq_c),
         "correction/seq_rejected_fraction": float(n_drop / n_seq_c),
         "correction/token_rejected_fraction": float(n_rej / n_tok_c),
+        "correction/token_rejected_low_fraction": float(n_rej_low / n_tok_c),
+        "correction/token_rejected_high_fraction": float((n_rej - n_rej_low) / n_tok_c),
         "correction/kept_token_fraction": float(kept / n_tok_c),
         "correction/is_weight_mean": float(w_sum / n_tok_c),
         "correction/is_weight_max": float(w_max),
@@ -159,4 +164,33 @@ def compute_correction(logp_old: torch.Tensor, logp_sparse: torch.Tensor, respon
         "mismatch/k2": float(k2_sum / n_tok_c),
         "mismatch/k3": float(k3_sum / n_tok_c),
     }
+    quantiles = log_ratio_quantiles(log_ratio[valid], LOG_RHO_QUANTILES, cfg.log_ratio_bound, group)
+    metrics.update({f"mismatch/log_rho_p{q:g}": value for q, value in zip(LOG_RHO_QUANTILES, quantiles)})
     return is_weights, loss_mask, metrics
+
+
+LOG_RHO_QUANTILES = (1, 5, 50)  # percent: the low tail (tokens only the compressed sampler would pick), the median
+LOG_RHO_BIN = 1e-3  # resolution of the quantiles of log rho (coarser where the bound needs > 2^16 bins)
+
+
+def log_ratio_quantiles(log_ratio: torch.Tensor, percents, bound: float, group=None) -> list[float]:
+    """Quantiles (``percents``) of ``log_ratio`` (response tokens' ``log rho``, in ``[-bound, bound]``)
+    over every rank of ``group``: from a histogram with bins of ``LOG_RHO_BIN`` summed over the group
+    (one all-reduce of a fixed size, however many tokens): the lower edge of the bin holding numpy's
+    ``lower`` quantile, so at most one bin below it. NaN when there are no tokens."""
+    bins = min(int(math.ceil(2 * bound / LOG_RHO_BIN)), 1 << 16)
+    width = max(LOG_RHO_BIN, 2 * bound / bins)
+    index = ((log_ratio.detach().to(torch.float64) + bound) / width).floor().clamp(0, bins - 1).long()
+    counts = torch.bincount(index, minlength=bins).to(torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    total = int(counts.sum())
+    if total == 0:
+        return [float("nan")] * len(percents)
+    cumulative = counts.cumsum(0)
+    out = []
+    for q in percents:
+        rank = math.floor(q / 100 * (total - 1))  # 0-based position of the lower sample
+        b = int(torch.searchsorted(cumulative, torch.tensor(rank + 1, dtype=torch.float64)))
+        out.append(round(b * width - bound, 9))
+    return out

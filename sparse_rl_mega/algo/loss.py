@@ -7,11 +7,21 @@ Per token, with ``r_t = exp(logp_theta_t - logp_old_t)`` and the sequence advant
     loss_t = w_t pg_t + kl_coef KL_t(pi_theta || pi_ref) - entropy_coef H_t
 
 A micro-batch returns ``(loss_sum, count)``; the step loss is ``sum(loss_sum) / sum(count)`` over all
-micro-batches and data-parallel ranks of the step, so the gradient does not depend on the split:
+micro-batches and data-parallel ranks of the step, so the gradient does not depend on the split.
+``loss_sum`` (kept tokens are those the correction left in ``loss_mask``):
 
-* ``seq-mean-token-mean``: per-sequence mean over kept tokens, summed; count = sequences with kept tokens;
-* ``seq-mean-token-sum``: per-sequence sum over kept tokens, summed; count = sequences with kept tokens;
-* ``token-mean`` (DAPO): sum over kept tokens; count = kept tokens.
+* ``seq-mean-token-mean``: each sequence's mean over its kept tokens (0 without any), summed;
+* ``seq-mean-token-sum``: each sequence's sum over its kept tokens, summed;
+* ``token-mean`` (DAPO): the sum over kept tokens.
+
+``count`` (``denominator``):
+
+* ``batch`` (the paper's release, slime's ``get_sum_of_sample_mean`` and its ``/ global_batch_size``):
+  every sequence of the step, vetoed and fully rejected ones included; for ``token-mean`` every
+  response token before the correction, at least one per sequence (slime's ``num_tokens``).
+  A step that rejects more moves the weights less.
+* ``kept``: only the sequences (``token-mean``: tokens) that kept a token. The surviving sequences
+  carry the whole step whatever was rejected.
 """
 from __future__ import annotations
 
@@ -48,17 +58,28 @@ def kl_penalty(logp_theta: torch.Tensor, logp_ref: torch.Tensor, estimator: str)
     return divergence((logp_ref - logp_theta).clamp(-20.0, 20.0), estimator)
 
 
-def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, seq_tokens: Optional[torch.Tensor] = None,
+def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, denominator: str = "batch",
+              response_tokens: Optional[torch.Tensor] = None, seq_tokens: Optional[torch.Tensor] = None,
               count_sequences: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum part, count part)`` of this micro-batch's share of the step loss (see module doc).
 
-    With context parallelism a rank sees only part of each sequence's tokens: ``seq_tokens`` ``[batch]``
-    gives each whole sequence's kept-token count (the per-sequence mean's denominator), and only one
-    rank of the context-parallel group counts the sequences (``count_sequences``), so that summing the
-    parts over the group gives the unsplit result."""
+    ``response_tokens`` ``[batch]``: each sequence's response tokens before the correction (needed by
+    ``token-mean`` with the ``batch`` denominator). With context parallelism a rank sees only part of
+    each sequence's tokens: ``seq_tokens`` ``[batch]`` gives each whole sequence's kept-token count
+    (the per-sequence mean's denominator), and only one rank of the context-parallel group counts
+    whole sequences (``count_sequences``), so that summing the parts over the group gives the unsplit
+    result."""
+    if denominator not in ("batch", "kept"):
+        raise ValueError(f"unknown loss denominator {denominator!r}; expected batch or kept")
     masked = token_loss * loss_mask
+    zero = token_loss.new_zeros(())
     if mode == "token-mean":
-        return masked.sum(), loss_mask.sum()
+        if denominator == "kept":  # each CP rank counts its own part of the tokens
+            return masked.sum(), loss_mask.sum()
+        if response_tokens is None:
+            raise ValueError("token-mean with the batch denominator needs each sequence's response tokens")
+        count = response_tokens.to(token_loss.dtype).clamp(min=1).sum()
+        return masked.sum(), count if count_sequences else zero
     tokens_per_seq = loss_mask.sum(dim=1) if seq_tokens is None else seq_tokens.to(loss_mask.dtype)
     has_tokens = tokens_per_seq > 0
     if mode == "seq-mean-token-mean":
@@ -67,15 +88,15 @@ def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, seq_
         per_seq = masked.sum(dim=1)
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}")
-    count = has_tokens.sum().to(token_loss.dtype) if count_sequences else token_loss.new_zeros(())
-    return (per_seq * has_tokens).sum(), count
+    rows = has_tokens.sum() if denominator == "kept" else torch.tensor(token_loss.shape[0])
+    return (per_seq * has_tokens).sum(), rows.to(token_loss.dtype) if count_sequences else zero
 
 
 def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                 is_weights: torch.Tensor, loss_mask: torch.Tensor, algo: AlgorithmConfig,
                 logp_ref: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
-                seq_tokens: Optional[torch.Tensor] = None, count_sequences: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                response_tokens: Optional[torch.Tensor] = None, seq_tokens: Optional[torch.Tensor] = None,
+                count_sequences: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Corrected PPO loss of one micro-batch.
 
     Args:
@@ -85,6 +106,8 @@ def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: to
         is_weights, loss_mask: ``[batch, tokens]`` from :func:`~sparse_rl_mega.algo.correction.compute_correction`.
         logp_ref: ``[batch, tokens]`` reference-policy logprobs (needed when ``algo.kl_coef > 0``).
         entropy: ``[batch, tokens]`` entropy of pi_theta per position (needed when ``algo.entropy_coef > 0``).
+        response_tokens: ``[batch]`` response tokens per sequence before the correction (``token-mean``
+            with the ``batch`` denominator divides by their sum).
         seq_tokens, count_sequences: for a context-parallel part of the sequences, see :func:`aggregate`.
     Returns:
         ``(loss_sum, count, stats)``; ``stats`` are detached sums over kept tokens for metrics.
@@ -102,7 +125,8 @@ def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: to
         if entropy is None:
             raise ValueError("algorithm.entropy_coef > 0 needs the per-token entropy")
         token_loss = token_loss - algo.entropy_coef * entropy
-    loss_sum, count = aggregate(token_loss, loss_mask, algo.loss_agg_mode, seq_tokens, count_sequences)
+    loss_sum, count = aggregate(token_loss, loss_mask, algo.loss_agg_mode, algo.loss_denominator, response_tokens,
+                                seq_tokens, count_sequences)
     with torch.no_grad():
         stats = {
             "clipped_tokens": (clipped.float() * loss_mask).sum(),

@@ -56,8 +56,8 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
                   cp_size: int = 1, cp_rank: int = 0, device: torch.device = torch.device("cpu")) -> list[dict]:
     """Micro-batches of ``batch`` as this rank feeds them to its model, on ``device``: ``[b, S]``
     tensors right-padded to ``width`` (padding is masked out of the loss) and cut to this CP rank's
-    chunks when CP > 1, ``[b]`` advantages, and with CP the whole sequences' kept-token counts
-    (``seq_tokens``)."""
+    chunks when CP > 1, ``[b]`` advantages and response-token counts (``response_tokens``), and with CP
+    the whole sequences' kept-token counts (``seq_tokens``)."""
     def local(tensor: torch.Tensor) -> torch.Tensor:  # [b, S] -> [b, width / cp]
         tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])) if width > tensor.shape[1] else tensor
         return (split_sequence(tensor, cp_size, cp_rank) if cp_size > 1 else tensor).to(device)
@@ -74,6 +74,8 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
                 value = getattr(batch, name)
                 if value is not None:
                     mb[name] = value[rows].to(device) if value.dim() == 1 else local(value[rows])
+            # whole sequences' token counts (a CP rank holds only part of each sequence)
+            mb["response_tokens"] = batch.response_mask[rows].sum(dim=1).to(device)
             if cp_size > 1:
                 mb["seq_tokens"] = batch.loss_mask[rows].sum(dim=1).to(device)
         out.append(mb)
@@ -160,10 +162,11 @@ def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfi
 
     def corrected_loss(mb, logits):
         logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"])  # entropy is also a metric
-        # with CP, one rank counts the sequences and the per-sequence means use whole-sequence counts
+        # with CP, one rank counts whole sequences and the per-sequence means use whole-sequence counts
         loss_sum, count, stats = policy_loss(logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"],
                                              mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy,
-                                             seq_tokens=mb.get("seq_tokens"), count_sequences=cp_rank == 0)
+                                             response_tokens=mb["response_tokens"], seq_tokens=mb.get("seq_tokens"),
+                                             count_sequences=cp_rank == 0)
         report = torch.stack([loss_sum.detach(), count.detach()] + [stats[k] for k in REPORT_KEYS[2:]])
         return loss_sum, count.to(torch.int), {"report": report.to(torch.float64)}
 
@@ -209,7 +212,9 @@ def train_step(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, mic
         update_ok, grad_norm, _ = learner.optimizer.step()
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     kept = max(values["kept_tokens"], 1.0)
+    # the loss as optimised (summed, divided by the step's denominator); the others: means over kept tokens
     metrics = {"train/loss": values["loss_sum"] / max(values["count"], 1.0),
+               "train/loss_denominator": values["count"],
                "train/clip_fraction": values["clipped_tokens"] / kept,
                "train/approx_kl_old": values["approx_kl_old_sum"] / kept,
                "train/entropy": values["entropy_sum"] / kept,

@@ -235,7 +235,8 @@ class AlgorithmConfig:
     eps_clip_high: float = 0.2
     dual_clip: Optional[float] = None  # c > 1: for A < 0 the token loss is capped at -c * A
     kl_coef: float = 0.0  # KL(pi_theta || pi_ref) penalty; > 0 keeps a frozen reference model
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # low_var_kl: k3 capped at 10 per token, as the paper's release (slime) trains with
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
     loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     # what the step's summed loss is divided by: every sequence of the step (token-mean: every response

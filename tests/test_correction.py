@@ -163,6 +163,27 @@ def test_mismatch_metrics_match_formulas():
     assert metrics["mismatch/k3"] == pytest.approx(float((lr.exp() - 1 - lr).mean()), rel=1e-12)
 
 
+def test_rejections_by_side_and_log_rho_quantiles():
+    """Which side of [0.5, 1.5] the rejected tokens fell on (counted from rho directly), and the quantiles of log rho against numpy's ``lower``
+    quantile of the same tokens: at most one histogram bin below it."""
+    import numpy as np
+
+    from sparse_rl_mega.algo.correction import LOG_RHO_BIN
+
+    logp_old, logp_sparse, mask = _batch(seed=5, scale=0.8)
+    _, _, metrics = compute_correction(logp_old, logp_sparse, mask, "sparse_rl")
+    rho = (logp_old - logp_sparse).exp()[mask > 0]
+    low, high = float((rho < 0.5).sum()) / rho.numel(), float((rho > 1.5).sum()) / rho.numel()
+    assert low > 0 and high > 0
+    assert metrics["correction/token_rejected_low_fraction"] == pytest.approx(low, rel=1e-12)
+    assert metrics["correction/token_rejected_high_fraction"] == pytest.approx(high, rel=1e-12)
+    assert metrics["correction/token_rejected_fraction"] == pytest.approx(low + high, rel=1e-12)
+    log_rho = (logp_old - logp_sparse)[mask > 0].numpy()
+    for q in (1, 5, 50):
+        expected = float(np.quantile(log_rho, q / 100, method="lower"))
+        assert expected - LOG_RHO_BIN - 1e-9 <= metrics[f"mismatch/log_rho_p{q}"] <= expected + 1e-9, q
+
+
 def test_vetoed_and_rejected_tokens_get_zero_gradient():
     logp_old, logp_sparse, mask = _batch(seed=1)
     weights, loss_mask, _ = compute_correction(logp_old, logp_sparse, mask, "sparse_rl")
@@ -217,7 +238,8 @@ def test_truncation_caps_the_weights_at_the_bound():
 
 
 # ----------------------------------------------------------------------------- PPO part
-def _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, w, keep, algo):
+def _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, w, keep, response, algo):
+    """The step loss written out: per token, then per sequence, then the denominator."""
     per_seq, tokens = [], []
     for i in range(logp_theta.shape[0]):
         terms = []
@@ -230,22 +252,27 @@ def _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, w, keep, algo):
             if algo.dual_clip is not None and a < 0:
                 pg = min(pg, -algo.dual_clip * a)
             d = float(logp_theta[i, t] - logp_ref[i, t])
-            kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d}[algo.kl_estimator]
+            kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d,
+                  "low_var_kl": min(math.exp(-d) - 1 + d, 10.0)}[algo.kl_estimator]
             terms.append(float(w[i, t]) * pg + algo.kl_coef * kl - algo.entropy_coef * float(entropy[i, t]))
         tokens += terms
         if terms:
             per_seq.append((sum(terms) / len(terms), sum(terms)))
-    if algo.loss_agg_mode == "token-mean":
-        return sum(tokens) / len(tokens)
+    rows = logp_theta.shape[0]
+    if algo.loss_agg_mode == "token-mean":  # batch: every response token, at least one per sequence
+        return sum(tokens) / (len(tokens) if algo.loss_denominator == "kept"
+                              else sum(max(int(response[i].sum()), 1) for i in range(rows)))
+    sequences = len(per_seq) if algo.loss_denominator == "kept" else rows
     if algo.loss_agg_mode == "seq-mean-token-mean":
-        return sum(m for m, _ in per_seq) / len(per_seq)
-    return sum(s for _, s in per_seq) / len(per_seq)
+        return sum(m for m, _ in per_seq) / sequences
+    return sum(s for _, s in per_seq) / sequences
 
 
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
-@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3", "low_var_kl"])
 @pytest.mark.parametrize("dual_clip", [None, 2.0])
-def test_policy_loss_matches_loop_reference(agg, kl_estimator, dual_clip):
+@pytest.mark.parametrize("denominator", ["batch", "kept"])
+def test_policy_loss_matches_loop_reference(agg, kl_estimator, dual_clip, denominator):
     g = torch.Generator().manual_seed(7)
     shape = (4, 6)
     logp_old = -torch.rand(shape, generator=g, dtype=torch.float64)
@@ -253,16 +280,34 @@ def test_policy_loss_matches_loop_reference(agg, kl_estimator, dual_clip):
     logp_ref = logp_old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.2
     entropy = torch.rand(shape, generator=g, dtype=torch.float64)
     weights = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5
-    keep = (torch.rand(shape, generator=g) > 0.3).double()
-    keep[3] = 0
+    response = torch.ones(shape, dtype=torch.float64)
+    response[0, 4:] = 0  # padding
+    keep = (torch.rand(shape, generator=g) > 0.3).double() * response
+    keep[3] = 0  # a sequence the correction dropped
     adv = torch.tensor([0.8, -1.2, -3.0, 1.0], dtype=torch.float64)
     algo = AlgorithmConfig(eps_clip_low=0.2, eps_clip_high=0.28, dual_clip=dual_clip, kl_coef=0.07,
-                           kl_estimator=kl_estimator, entropy_coef=0.03, loss_agg_mode=agg)
+                           kl_estimator=kl_estimator, entropy_coef=0.03, loss_agg_mode=agg,
+                           loss_denominator=denominator)
     loss_sum, count, stats = policy_loss(logp_theta, logp_old, adv, weights, keep, algo, logp_ref=logp_ref,
-                                         entropy=entropy)
-    expected = _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, weights, keep, algo)
+                                         entropy=entropy, response_tokens=response.sum(dim=1))
+    expected = _loop_loss(logp_theta, logp_old, logp_ref, entropy, adv, weights, keep, response, algo)
     assert float(loss_sum / count) == pytest.approx(expected, rel=1e-12)
     assert 0 < stats["clipped_tokens"] < stats["kept_tokens"]
+
+
+def test_low_var_kl_is_k3_capped_at_10():
+    """slime's low_var_kl: k3 = rho - 1 - log rho (rho = pi_ref / pi_theta) clamped to [-10, 10]; past
+    the cap the token gives no KL gradient."""
+    from sparse_rl_mega.algo.loss import kl_penalty
+
+    log_rho = torch.tensor([-3.0, -0.5, 0.0, 0.7, 2.0, 3.0], dtype=torch.float64)  # log pi_ref - log pi_theta
+    logp_theta = torch.full_like(log_rho, -2.0).requires_grad_(True)
+    kl = kl_penalty(logp_theta, logp_theta.detach() + log_rho, "low_var_kl")
+    k3 = log_rho.exp() - 1 - log_rho
+    assert k3[-1] > 10 and (k3[:-1] < 10).all()
+    assert torch.allclose(kl, k3.clamp(max=10.0), rtol=1e-12, atol=0)
+    kl.sum().backward()
+    assert logp_theta.grad[-1] == 0 and (logp_theta.grad[:2] != 0).all()
 
 
 def test_dual_clip_caps_the_loss_of_negative_advantages():

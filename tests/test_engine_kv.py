@@ -81,6 +81,22 @@ def test_single_request_matches_reference(evicting_engine, hf_model, name, recor
     assert copied == 0 if _policy(POLICY_CASES[name]).shared else copied > 0, copied
 
 
+def test_evaluate_runs_the_release_rkv_it_is_given(evicting_engine, hf_model, tiny_model_dir, record_property):
+    """tools/evaluate.py's request for the paper's release R-KV (``--selection shared --sink 0``; kernel 7
+    and lambda 0.1 by default; the engine's window and interval) keeps, on the engine, the tokens the
+    reference decoder keeps with that policy built from those values."""
+    from tools.evaluate import kv_base, parse_args, parse_kv
+
+    args = parse_args([str(tiny_model_dir), "--benchmarks", "unused", "--kv", f"rkv:{ENGINE_KV['budget']}",
+                       "--selection", "shared", "--sink", "0", "--window", str(ENGINE_KV["window"]),
+                       "--interval", str(ENGINE_KV["interval"])])
+    (_, override), = parse_kv(args.kv, kv_base(args))
+    samples = evicting_engine.generate([[5, 17, 42, 99, 100, 7, 8, 9, 11, 12]], n_samples=1, max_new_tokens=24,
+                                       seed=11, kv_override=override, ignore_eos=True)
+    release = {"policy": "rkv", "selection": "shared", "sink": 0, "params": {"kernel": 7, "lam": 0.1}}
+    assert _check_samples(samples, hf_model, release, record_property) > 0
+
+
 @pytest.fixture(scope="module")
 def tp2_engine(tiny_model_dir):
     """The same engine settings at TP 2: each scheduler rank holds one of the tiny model's two KV heads."""

@@ -24,9 +24,13 @@ def test_pass_at_k_matches_enumeration():
 
 @pytest.mark.unit
 def test_kv_spec_errors_are_clear():
-    assert parse_kv("none,rkv:64") == [("dense", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64})]
+    (dense, (label, rkv)) = parse_kv("none,rkv:64")
+    assert dense == ("dense", {"policy": "none"}) and label == "rkv:64"
+    assert (rkv["policy"], rkv["budget"], rkv["sink"], rkv["interval"]) == ("rkv", 64, 4, 16)  # evaluate's defaults
     with pytest.raises(SystemExit, match="POLICY:BUDGET"):
         parse_kv("rkv")
+    with pytest.raises(SystemExit, match="--kv rkv:10: .*budget"):  # checked as the engine checks it
+        parse_kv("rkv:10")
 
 
 def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp_path):
@@ -63,7 +67,10 @@ def test_kv_variants_name_the_rollout_setting():
 
     rkv = KVCompressionConfig(policy="rkv", budget=56)
     assert parse_kv_variants("dense,rollout,snapkv:64", rkv) == [
-        ("dense", {"policy": "none"}), ("rkv:56", None), ("snapkv:64", {"policy": "snapkv", "budget": 64})]
+        ("dense", {"policy": "none"}), ("rkv:56", None),
+        ("snapkv:64", {"policy": "snapkv", "budget": 64, "sink": 4, "window": 8, "interval": 128,
+                       "selection": "per_layer", "shared_scores": "first_layer",
+                       "params": {"kernel": 7, "pool": "max", "gqa_pool": "max"}})]
     assert parse_kv_variants("rollout", KVCompressionConfig()) == [("dense", None)]
     # 'rollout' naming a setting that is also listed is evaluated once (dense rollouts: an ablation's dense arm)
     assert parse_kv_variants("dense,rollout", KVCompressionConfig()) == [("dense", {"policy": "none"})]
@@ -72,3 +79,22 @@ def test_kv_variants_name_the_rollout_setting():
         parse_kv_variants("rkv:56,rkv:56", rkv)
     with pytest.raises(ValueError, match="training rollout's KV setting"):
         parse_kv_variants("rollout")
+
+
+@pytest.mark.unit
+def test_a_dense_run_evaluates_compression_with_its_own_kv_fields():
+    """A run with dense rollouts (an ablation's dense arm) evaluated under ``rkv:B``: the engine runs
+    R-KV with every other field of the run's kv_compression section (kernel, lambda, selection, sink,
+    ...), not the class defaults."""
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.config import KVCompressionConfig
+    from sparse_rl_mega.evaluation import parse_kv_variants
+
+    run_kv = KVCompressionConfig(policy="none", budget=32, sink=0, window=6, interval=4, selection="shared",
+                                 kernel=3, lam=0.3, pool="avg", similarity_threshold=0.7)
+    (_, override), = parse_kv_variants("rkv:24", run_kv)
+    engine = EngineKVSettings.from_config(run_kv, allow_request_override=True)  # the dense run's engine
+    served = engine.updated(override)
+    assert (served.policy, served.budget, served.sink, served.window, served.interval, served.selection) == \
+        ("rkv", 24, 0, 6, 4, "shared")
+    assert served.params == {"kernel": 3, "pool": "avg", "gqa_pool": "max", "lam": 0.3, "similarity_threshold": 0.7}

@@ -24,7 +24,8 @@ from tests.conftest import run_torchrun
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 from float_bounds import U32, U64, float64_causal_lm, forward_depth, gamma  # noqa: E402
-from grad_batch import AGG_MODES, ALGORITHM, N, WIDTH, fill_loss_inputs, synthetic_batch  # noqa: E402
+from grad_batch import ALGORITHM, LOSS_NAMES, LOSSES, N, REJECTED_ROW, VETOED_ROW, WIDTH, fill_loss_inputs, \
+    synthetic_batch  # noqa: E402
 
 HELPER = ROOT / "tests" / "helpers" / "grad_check.py"
 # name: (processes, TP, PP, micro-batch size, more parallel settings); every layout runs >= 2 micro-batches
@@ -98,17 +99,70 @@ def autograd_reference(model_dir: Path) -> dict:
     logp = logp_all.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     metrics = fill_loss_inputs(batch, logp.detach(), torch.arange(N), batch.rewards)
-    out = {"metrics": metrics}
-    for mode in AGG_MODES:
+    out = {"metrics": metrics, "kept_per_row": batch.loss_mask.sum(dim=1).tolist(),
+           "response_per_row": batch.response_mask.sum(dim=1).tolist()}
+
+    def differentiate(loss):
         model.zero_grad()
-        algo = AlgorithmConfig(**ALGORITHM, loss_agg_mode=mode)
-        loss_sum, count, _ = policy_loss(logp, batch.logp_old, batch.advantages, batch.is_weights, batch.loss_mask,
-                                         algo, logp_ref=batch.logp_ref, entropy=entropy)
-        loss = loss_sum / count
         loss.backward(retain_graph=True)
-        out[mode] = {"loss": float(loss), "grads": {name: p.grad.detach().clone()
-                                                    for name, p in model.named_parameters()}}
+        return {"loss": float(loss), "grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()}}
+
+    for mode, denominator in LOSSES:
+        algo = AlgorithmConfig(**ALGORITHM, loss_agg_mode=mode, loss_denominator=denominator)
+        loss_sum, count, _ = policy_loss(logp, batch.logp_old, batch.advantages, batch.is_weights, batch.loss_mask,
+                                         algo, logp_ref=batch.logp_ref, entropy=entropy,
+                                         response_tokens=batch.response_mask.sum(dim=1))
+        out[f"{mode}/{denominator}"] = differentiate(loss_sum / count)
+    kept = AlgorithmConfig(**ALGORITHM, loss_denominator="kept")  # (today's other denominator, loss only)
+    loss_sum, count, _ = policy_loss(logp, batch.logp_old, batch.advantages, batch.is_weights, batch.loss_mask, kept,
+                                     logp_ref=batch.logp_ref, entropy=entropy)
+    out["seq-mean-token-mean/kept"] = {"loss": float(loss_sum / count)}
+    for per_token in (False, True):
+        out[f"release/{'per_token' if per_token else 'sample_mean'}"] = differentiate(
+            release_loss(logp, entropy, batch, per_token))
     return out
+
+
+def release_loss(logp, entropy, batch, per_token: bool):
+    """The step loss as the paper's release computes it, written as loops from slime's code
+    (backends/megatron_utils/loss.py and cp_utils.py of lsjia/Sparse-RL), not from ours.
+
+    policy_loss_function: ``pg = compute_policy_loss(old - new, A, eps, eps_high, eps_c)`` (ratio
+    ``exp(new - old)``, clipped surrogate, for A < 0 ``min(-eps_c A, .)``), times the TIS weights the
+    Sparse-RL function returns with its rejection mask; ``sum_of_sample_mean`` rebuilt on that mask:
+    per sample ``sum(x * m) / clamp_min(sum(m), 1)``, summed over samples (``calculate_per_token_loss``:
+    ``sum(x * m)`` only); ``loss = pg_loss - entropy_coef * entropy_loss + kl_loss_coef * kl_loss``, each
+    reduced alone, KL ``low_var_kl`` = ``clamp(exp(-(new - ref)) - 1 + (new - ref), -10, 10)``.
+    loss_function: ``loss * num_microbatches / global_batch_size * dp_size``, which Megatron divides by
+    ``num_microbatches`` (per-sample mode) and DDP averages over DP: the step is the sum over every
+    sample of the step / ``global_batch_size`` (N here, one step). Per-token mode: the schedule leaves
+    the loss as it is and Megatron divides the gradients by ``num_tokens``, summed over micro-batches
+    and DP ranks: ``sum_i clamp_min(original loss_mask_i.sum(), 1)``; the release's extra factor
+    ``num_microbatches * dp_size / global_batch_size`` (1 / micro_batch_size) is left out, as ours
+    leaves it out (docs/algorithm.md)."""
+    eps_low, eps_high = 0.2, 0.2  # AlgorithmConfig's defaults, which ALGORITHM keeps
+    eps_c, kl_coef, entropy_coef = ALGORITHM["dual_clip"], ALGORITHM["kl_coef"], ALGORITHM["entropy_coef"]
+    pg_loss, entropy_loss, kl_loss = 0.0, 0.0, 0.0
+    for i in range(N):
+        kept = [t for t in range(WIDTH) if batch.loss_mask[i, t] > 0]
+        a = batch.advantages[i]
+        pg_i, entropy_i, kl_i = 0.0, 0.0, 0.0
+        for t in kept:
+            ratio = torch.exp(-(batch.logp_old[i, t] - logp[i, t]))
+            surrogate = torch.maximum(-ratio * a, -ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+            if a < 0:
+                surrogate = torch.minimum(-eps_c * a, surrogate)
+            pg_i = pg_i + surrogate * batch.is_weights[i, t]
+            entropy_i = entropy_i + entropy[i, t]
+            log_ratio = -(logp[i, t] - batch.logp_ref[i, t])
+            kl_i = kl_i + torch.clamp(log_ratio.exp() - 1 - log_ratio, -10, 10)
+        divisor = 1 if per_token else max(len(kept), 1)
+        pg_loss, entropy_loss, kl_loss = pg_loss + pg_i / divisor, entropy_loss + entropy_i / divisor, \
+            kl_loss + kl_i / divisor
+    loss = pg_loss - entropy_coef * entropy_loss + kl_coef * kl_loss
+    if per_token:
+        return loss / sum(max(int(batch.response_mask[i].sum()), 1) for i in range(N))
+    return loss / N
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +188,11 @@ def test_the_batch_exercises_every_correction(reference):
     metrics = reference["tiny"]["metrics"]
     assert metrics["correction/veto_fraction"] == pytest.approx(1 / 8)
     assert 0 < metrics["correction/token_rejected_fraction"] < 1
+    assert metrics["correction/token_rejected_high_fraction"] > 0 and metrics["correction/token_rejected_low_fraction"] > 0
     assert metrics["correction/is_weight_max"] > 1.5  # truncated at 1.5, then batch-normalised
+    kept, response = reference["tiny"]["kept_per_row"], reference["tiny"]["response_per_row"]
+    # a vetoed and a wholly rejected row: no token kept, both still rows of the step
+    assert [i for i, k in enumerate(kept) if k == 0] == sorted([VETOED_ROW, REJECTED_ROW]) and min(response) > 0
 
 
 @pytest.mark.parametrize("layout, dtype", [(name, "float64") for name in list(LAYOUTS) + [TIED]]
@@ -146,7 +204,7 @@ def test_gradient_equals_autograd_on_transformers(megatron, reference, layout, d
     for key, value in ref["metrics"].items():  # the same decisions: veto, rejection, weights
         # (functions of the logprobs, which carry at most the forward part of the bound)
         assert got["metrics"][key] == pytest.approx(value, rel=bound, abs=bound), key
-    for mode in AGG_MODES:
+    for mode in LOSS_NAMES:
         factor = _common_factor(ref[mode]["grads"], got[mode]["grads"])
         assert abs(factor - 1) <= (SCALE_TOLERANCE if dtype == "float64" else bound), (layout, dtype, mode, factor)
         diff = _relative_diff(ref[mode]["grads"], got[mode]["grads"], factor if dtype == "float64" else 1.0)
@@ -154,20 +212,42 @@ def test_gradient_equals_autograd_on_transformers(megatron, reference, layout, d
         assert diff <= bound, (layout, dtype, mode, diff, bound)
         assert got[mode]["loss"] == pytest.approx(ref[mode]["loss"], rel=bound)
     if layout == TIED:  # one tensor for input and output embedding: their gradients summed across stages
-        assert "lm_head.weight" not in got[AGG_MODES[0]]["grads"]
+        assert "lm_head.weight" not in got[LOSS_NAMES[0]]["grads"]
 
 
-def test_aggregation_modes_give_different_gradients(reference):
-    """Guards the comparison above: the three normalisations really are different losses."""
-    a, b = (reference["tiny"][mode]["grads"] for mode in ("seq-mean-token-mean", "token-mean"))
+# ours (name in LOSS_NAMES) -> the release's reading (release_loss)
+RELEASE = {"seq-mean-token-mean/batch": "release/sample_mean", "token-mean/batch": "release/per_token"}
+
+
+@pytest.mark.parametrize("layout", ["DP2", "PP2"])
+def test_the_learner_trains_on_the_release_loss(megatron, reference, layout):
+    """Our default loss, as the learner computes it over DP ranks and micro-batches, against the loops
+    read from the release's code, in float64: loss and gradient (and our whole-batch policy_loss too)."""
+    for ours, release in RELEASE.items():
+        ref = reference["tiny"][release]
+        for got in (megatron[layout]["float64"][ours], reference["tiny"][ours]):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=TOLERANCE["float64"]), (layout, ours)
+            factor = _common_factor(ref["grads"], got["grads"])
+            assert abs(factor - 1) <= SCALE_TOLERANCE, (layout, ours, factor)
+            assert _relative_diff(ref["grads"], got["grads"], factor) <= TOLERANCE["float64"], (layout, ours)
+
+
+def test_loss_modes_give_different_gradients(reference):
+    """Guards the comparisons above: the losses really differ (aggregation, and the denominator that
+    counts the vetoed and rejected rows or not)."""
+    tiny = reference["tiny"]
+    a, b = (tiny[mode]["grads"] for mode in ("seq-mean-token-mean/batch", "token-mean/batch"))
     assert _relative_diff(a, b) > 1e-2
+    # the kept denominator: the 6 rows that kept a token carry the whole step, 8/6 of the release's
+    assert tiny["seq-mean-token-mean/kept"]["loss"] == pytest.approx(tiny["seq-mean-token-mean/batch"]["loss"] * 8 / 6,
+                                                                     rel=1e-12)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_recomputation_recomputes(megatron, layout):
     """Forward calls in the training pass per call in the no-grad pass: 2 for what is recomputed."""
     recompute = LAYOUTS[layout][4].get("recompute")
-    calls = megatron[layout]["float64"][AGG_MODES[0]]["forward_calls"]
+    calls = megatron[layout]["float64"][LOSS_NAMES[0]]["forward_calls"]
     assert calls == {"layer": 2.0 if recompute == "full" else 1.0,
                      "core_attention": 1.0 if recompute is None else 2.0}, calls
 

@@ -53,9 +53,13 @@ def ppo_token_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages:
 
 
 def kl_penalty(logp_theta: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) on samples: k1, k2 or k3 (low variance, >= 0);
-    the same estimators as the correction's, with ``log rho = log pi_ref - log pi_theta``."""
-    return divergence((logp_ref - logp_theta).clamp(-20.0, 20.0), estimator)
+    """Per-token estimate of KL(pi_theta || pi_ref) on samples: k1, k2 or k3 (low variance, >= 0); the
+    same estimators as the correction's, with ``log rho = log pi_ref - log pi_theta``. ``low_var_kl``:
+    k3 capped at 10 (slime's name; a token past the cap gives no KL gradient)."""
+    log_rho = (logp_ref - logp_theta).clamp(-20.0, 20.0)
+    if estimator == "low_var_kl":
+        return divergence(log_rho, "k3").clamp(max=10.0)
+    return divergence(log_rho, estimator)
 
 
 def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, denominator: str = "batch",

@@ -3,16 +3,21 @@ torchrun) and the transformers autograd reference (tests/test_layout_invariance.
 on import (no CPU shims, no Megatron).
 
 8 sequences in 2 GRPO groups, prompts and right padding of varying length; the sampler, anchor and
-reference logprobs are the model's own dense logprobs plus fixed noise, and one token of row 1 is
-made ~impossible for the anchor, so the veto, token rejection, IS truncation, PPO and dual clipping,
-the KL and the entropy terms are all active.
+reference logprobs are the model's own dense logprobs plus fixed noise, one token of row 1 is made
+~impossible for the anchor (the row is vetoed) and every token of row 6 is e times likelier under the
+anchor than under the sampler (all its tokens rejected, high side), so the veto, token rejection,
+IS truncation, PPO and dual clipping, the KL and the entropy terms are all active, and two rows keep
+no token (they stay in the release's loss denominator).
 """
 import torch
 
 N, WIDTH, GROUP = 8, 14, 4
-AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
-ALGORITHM = {"dual_clip": 3.0, "kl_coef": 0.05, "entropy_coef": 0.01}
-VETOED_ROW = 1
+# (loss_agg_mode, loss_denominator): the release's two (per-sample mean, per-token) and the other
+# denominator; each is named "mode/denominator" in the results
+LOSSES = (("seq-mean-token-mean", "batch"), ("token-mean", "batch"), ("seq-mean-token-sum", "kept"))
+LOSS_NAMES = tuple(f"{mode}/{denominator}" for mode, denominator in LOSSES)
+ALGORITHM = {"dual_clip": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl", "entropy_coef": 0.01}
+VETOED_ROW, REJECTED_ROW = 1, 6
 
 
 def synthetic_batch(vocab: int):
@@ -43,6 +48,7 @@ def fill_loss_inputs(local, dense: torch.Tensor, rows: torch.Tensor, full_reward
     local.logp_old = dense + 0.3 * noise[0]      # the anchor: the policy has moved since
     local.logp_old[rows == VETOED_ROW, 5] -= 12.0  # a token the anchor finds ~impossible: vetoed
     local.logp_sparse = dense + 0.4 * noise[1]   # the sparse sampler disagrees
+    local.logp_sparse[rows == REJECTED_ROW] = local.logp_old[rows == REJECTED_ROW] - 1.0  # rho = e > 1.5
     local.logp_ref = dense - 0.2 * noise[2]
     local.advantages = grpo_advantages(full_rewards, GROUP)[rows].to(dtype)
     local.response_mask = local.response_mask.to(dtype)

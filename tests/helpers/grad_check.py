@@ -9,7 +9,7 @@ holds more ``parallel`` settings, e.g. ``{"recompute": "full"}`` or ``{"context_
 ``dtypes``: the learner's dtypes to differentiate in (float32 and/or float64).
 
 kind "gradient": the full corrected loss's gradient of the fixed global batch of grad_batch.py (every
-correction active), in the job's dtypes, for the three loss aggregations, gathered in HF names;
+correction active), in the job's dtypes, for each loss of grad_batch.LOSSES, gathered in HF names;
 also how often the layers and their core attention ran forward in the training pass against the
 no-grad pass (activation recomputation runs them twice).
 
@@ -25,7 +25,7 @@ from common import init_process_group, run_config, set_layout  # (first: CPU shi
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from grad_batch import AGG_MODES, ALGORITHM, GROUP, N, fill_loss_inputs, synthetic_batch  # noqa: E402
+from grad_batch import ALGORITHM, GROUP, LOSSES, N, fill_loss_inputs, synthetic_batch  # noqa: E402
 
 
 def _local_batch(cfg, learner, dtype):
@@ -93,8 +93,8 @@ def gradient_job(cfg, model_dir, job_dtypes=("float32", "float64")) -> dict:
         params = [p for chunk in learner.modules for p in chunk.parameters()]
         saved = [p.data.clone() for p in params]
         counter = ForwardCounter(learner.modules)
-        for mode in AGG_MODES:
-            cfg.algorithm.loss_agg_mode = mode
+        for mode, denominator in LOSSES:
+            cfg.algorithm.loss_agg_mode, cfg.algorithm.loss_denominator = mode, denominator
             counter.take()
             report = sum_report(forward_backward(learner, local, cfg.algorithm, cfg.trainer.micro_batch_size))
             trained = _world_sum(counter.take())
@@ -110,7 +110,7 @@ def gradient_job(cfg, model_dir, job_dtypes=("float32", "float64")) -> dict:
             loss = torch.tensor([values["loss_sum"] / values["count"] if ps.is_pipeline_last_stage() else -1e30],
                                 dtype=torch.float64)
             dist.all_reduce(loss, op=dist.ReduceOp.MAX)
-            results[dtype_name][mode] = {"grads": grads, "loss": float(loss),
+            results[dtype_name][f"{mode}/{denominator}"] = {"grads": grads, "loss": float(loss),
                                          "forward_calls": {k: trained[k] / plain[k] for k in trained}}
         counter.remove()
     return results

@@ -290,7 +290,7 @@ class RewardConfig:
 @dataclass
 class EvalConfig:
     """Held-out accuracy, measured on the rollout engine with the weights it serves: before training
-    (unless resuming), every ``interval`` iterations, and after the last one. Each setting in ``kv``
+    (unless resuming or ``before_training: false``), every ``interval`` iterations, and after the last one. Each setting in ``kv``
     decodes the same prompts with the same seed: ``dense`` (no compression), ``rollout`` (the
     rollout's ``kv_compression``) or ``POLICY:BUDGET``. Correctness is judged by ``reward.type``.
     Metrics ``eval/<setting>/mean_at_k`` etc. go to MLflow at step = iterations trained; the run
@@ -298,6 +298,9 @@ class EvalConfig:
     path: Optional[str] = None        # prompt_label jsonl (tools/prepare_data.py); None: no evaluation
     limit: Optional[int] = None       # first N rows
     interval: int = 0                 # 0: only before and after training
+    # false: no evaluation before the first iteration (a baseline measured once for several runs from
+    # the same start, e.g. by tools/evaluate.py)
+    before_training: bool = True
     kv: str = "dense,rollout"         # comma-separated settings
     n_samples: int = 4                # samples per problem (k of mean@k / pass@k)
     temperature: float = 1.0          # 0: greedy (then n_samples must be 1)

@@ -355,7 +355,7 @@ class Trainer:
         algo, correction = cfg.algorithm, cfg.algorithm.correction
         group_size, mbs = cfg.rollout.n_samples_per_prompt, cfg.trainer.micro_batch_size
         evaluating = cfg.eval.path is not None and self.rank == 0
-        if evaluating and self.start_iteration == 0:
+        if evaluating and self.start_iteration == 0 and cfg.eval.before_training:
             self.evaluate(0)
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
@@ -540,7 +540,8 @@ def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, g
 
 def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
     return (f"[iter {iteration + 1}/{total}] reward {m['reward/mean']:.3f} | loss {m['train/loss']:+.4f} | "
-            f"veto {m['correction/veto_fraction']:.3f} rej {m['correction/token_rejected_fraction']:.3f} | "
+            f"veto {m['correction/veto_fraction']:.3f} rej {m['correction/token_rejected_fraction']:.3f} "
+            f"(rho<1 {m['correction/token_rejected_low_fraction']:.3f}) | "
             f"IS mean {m['correction/is_weight_mean']:.3f} max {m['correction/is_weight_max']:.2f} | "
             f"k3 {m['mismatch/k3']:.4f} | evicted/sample {m['kv/evicted_tokens_per_sample']:.1f} "
             f"peak KV {m['kv/peak_slots_in_use']:.0f} | sync diff {m.get('sync/max_abs_logprob_diff', float('nan')):.1e} | "

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import mlflow
 import pytest
 
-from tests.conftest import ROOT, run_tool, write_test_config
-from tools.ablation import plan, ratio_with_stderr, variant_overrides
+from tests.conftest import ROOT, TRAIN_DATA, run_tool, write_test_config
+from tools.ablation import held_out, plan, ratio_with_stderr, variant_overrides
 
 # one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
 ONE_PROCESS = ["--set", "checkpoint.save_interval=0", "--set", "parallel.nproc_per_node=1",
@@ -30,6 +30,12 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     out, runs, iterations = plan(args)
     assert runs["naive"][-1] == "trainer.iterations=2" and "algorithm.correction.preset=naive" in runs["naive"]
     assert iterations == {"naive": 2, "sparse_rl": 2}
+    # a config that evaluates: every variant dense and under the rollout's compression (the dense one too)
+    evaluated = write_test_config(tmp_path / "e.yaml", tiny_model_dir, tmp_path / "run",
+                                  f"eval: {{path: {TRAIN_DATA}, kv: dense}}")
+    args.config, args.variants = str(evaluated), "naive,dense"
+    _, runs, _ = plan(args)
+    assert all(overrides[0] == "eval.kv=dense,rkv:12" for overrides in runs.values())
 
 
 @pytest.mark.unit
@@ -49,18 +55,53 @@ def test_accuracy_ratio_and_its_standard_error():
         ratio_with_stderr(x, y[:-1])
 
 
+@pytest.mark.unit
+def test_held_out_table_pairs_variants_and_settings():
+    """Each variant under each KV setting of its last evaluation: the ratio to the dense variant under
+    the same setting (paired per problem) and the drop from its own dense decoding, mean and standard
+    error of the per-problem differences, computed here from the counts by hand."""
+    def evaluation(iteration, dense, sparse):  # correct samples of 4 per problem
+        row = lambda c: {"mean_at_k": sum(c) / (4 * len(c)), "samples_per_problem": 4,  # noqa: E731
+                         "correct_per_problem": c, "mean_at_k_stderr": 0.0}
+        return {"iteration": iteration, "results": {"dense": row(dense), "rkv:32": row(sparse)}}
+
+    data = {"sparse_rl": {"eval": [evaluation(0, [1, 0, 2], [0, 0, 1]), evaluation(12, [4, 2, 3], [3, 2, 1])]},
+            "dense": {"eval": [evaluation(0, [1, 0, 2], [0, 0, 1]), evaluation(12, [4, 4, 2], [2, 3, 0])]}}
+    rows = {(r["variant"], r["setting"]): r for r in held_out(data)}
+    assert set(rows) == {("sparse_rl", "dense"), ("sparse_rl", "rkv:32"), ("dense", "dense"), ("dense", "rkv:32")}
+    sparse = rows[("sparse_rl", "rkv:32")]
+    assert sparse["before"] == 1 / 12 and sparse["after"] == 6 / 12
+    assert sparse["ratio_to_dense"] == pytest.approx(6 / 5)  # against the dense variant under rkv:32
+    # drop: dense decoding minus rkv:32 per problem (1, 0, 2) / 4
+    diffs = [0.25, 0.0, 0.5]
+    mean = sum(diffs) / 3
+    assert sparse["drop_from_dense"] == pytest.approx(mean)
+    assert sparse["drop_stderr"] == pytest.approx((sum((d - mean) ** 2 for d in diffs) / 2 / 3) ** 0.5)
+    assert rows[("dense", "rkv:32")]["drop_from_dense"] == pytest.approx((2 + 1 + 2) / 12)
+    assert "ratio_to_dense" not in rows[("dense", "rkv:32")] and "drop_from_dense" not in rows[("dense", "dense")]
+
+
 def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     assert variant_overrides("dense") == ["rollout.kv_compression.policy=none"]
-    config = write_test_config(tmp_path / "ablation.yaml", tiny_model_dir, tmp_path / "unused")
+    # held-out: 4 problems, greedy, after the last iteration only; the tool adds the rollout's compression
+    config = write_test_config(tmp_path / "ablation.yaml", tiny_model_dir, tmp_path / "unused",
+                               f"eval: {{path: {TRAIN_DATA}, limit: 4, n_samples: 1, temperature: 0.0, kv: dense}}")
     out = tmp_path / "ablation"
     proc = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                    "--iterations", "1", "--out", out, *ONE_PROCESS, timeout=600)
+                    "--iterations", "1", "--out", out, *ONE_PROCESS, "--set", "eval.before_training=false", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert (out / "ablation.png").stat().st_size > 5000
     result = json.loads((out / "ablation.json").read_text())
     rows = {row["variant"]: row for row in result["rows"]}
     assert sorted(rows) == ["naive", "sparse_rl"]
-    assert len((out / "ablation.md").read_text().splitlines()) == 2 + 2
+    table = (out / "ablation.md").read_text().split("\n\n")
+    assert len(table[0].splitlines()) == 2 + 2 and len(table[-1].splitlines()) == 2 + 2 * 2
+    # each variant under dense decoding and the rollout's R-KV, evaluated once (eval.before_training false)
+    for variant in rows:
+        assert [h["iteration"] for h in result["variants"][variant]["eval"]] == [1]
+    accuracy = {(r["variant"], r["setting"]): r for r in result["held_out"]}
+    assert set(accuracy) == {(v, s) for v in rows for s in ("dense", "rkv:12")}
+    assert all("drop_from_dense" in accuracy[(v, "rkv:12")] for v in rows)
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
 
@@ -70,6 +111,9 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     for variant in rows:
         assert sorted(history(variant, "reward/mean")) == [0]
         assert rows[variant]["reward_first"] == history(variant, "reward/mean")[0]
+    (summary,) = client.search_runs([client.get_experiment_by_name("ablation").experiment_id],
+                                    filter_string="tags.mlflow.runName = 'summary'")
+    assert summary.data.metrics["naive/eval_rkv_12/after"] == accuracy[("naive", "rkv:12")]["after"]
     # same seeds, same initial weights, same eviction: the first rollout of both sparse variants agrees
     for key in ("reward/mean", "kv/evicted_tokens", "rollout/response_len_mean", "mismatch/k3"):
         assert history("naive", key)[0] == history("sparse_rl", key)[0], key

@@ -19,8 +19,8 @@ the summary gives each its ratio to the dense-trained model and the drop from de
 Each variant is one ``tools/launch.py`` run into ``OUT/<variant>`` (on a CPU node a fork of this process,
 which imported the launcher's modules once: sparse_rl_mega/launches.py); all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
-``OUT/ablation.png`` (reward, mismatch k3, token rejection, the largest importance weight, evicted tokens and
-held-out accuracy with its standard error), ``OUT/ablation.md`` (a table of the training metrics and
+``OUT/ablation.png`` (reward, mismatch k3, token rejection by side, quantiles of log rho, the largest
+importance weight, evicted tokens and held-out accuracy with its standard error), ``OUT/ablation.md`` (a table of the training metrics and
 one of the final held-out accuracies: per KV setting, the ratio to the dense variant's and the drop
 from dense decoding, each with its paired standard error) and ``OUT/ablation.json``, and logs them as a
 summary run. Every variant's config is validated before the first one starts. A variant that already
@@ -203,7 +203,8 @@ def held_out(data: dict[str, dict]) -> list[dict]:
         first, last = d["eval"][0], d["eval"][-1]
         for label, result in last["results"].items():
             row = {"variant": name, "setting": label, "iterations": last["iteration"],
-                   "before": first["results"].get(label, {}).get("mean_at_k", float("nan")),
+                   "before": first["results"].get(label, {}).get("mean_at_k", float("nan"))
+                   if first["iteration"] == 0 else float("nan"),  # (eval.before_training: false)
                    "after": result["mean_at_k"], "after_stderr": result.get("mean_at_k_stderr", float("nan"))}
             paired = "correct_per_problem" in result
             if paired and name != "dense" and dense_run and dense_run[-1]["iteration"] == last["iteration"] \

@@ -7,7 +7,7 @@ takes every other KV field (sink, window, interval, selection, kernel, lambda, .
 ``rollout.kv_compression`` (a run's config: evaluate as that run's rollouts decoded; ``rollout`` names
 its own setting), else from the defaults below, each replaced by its flag when given. Reports per benchmark and
 setting: mean@k (the mean correctness of k samples per problem; pass@1 with k=1 or greedy), pass@k
-(unbiased estimator) and the mean response length; prints a table, writes ``--json`` and a PNG plot,
+(unbiased estimator) and the mean response length; prints a table, writes ``results.json`` and a PNG plot,
 and logs everything to MLflow.
 
     python tools/evaluate.py runs/assets/smollm2-135m-instruct --benchmarks gsm8k,math500 \\

@@ -38,19 +38,24 @@ def test_padded_width():
         cp_positions(14, 2, 0)
 
 
+@pytest.mark.parametrize("denominator", ["batch", "kept"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_loss_parts_of_split_sequences_sum_to_the_whole(mode):
+def test_loss_parts_of_split_sequences_sum_to_the_whole(mode, denominator):
     g = torch.Generator().manual_seed(0)
     token_loss = torch.randn(5, 12, generator=g, dtype=torch.float64)
-    mask = (torch.rand(5, 12, generator=g) > 0.4).double()
-    mask[2] = 0.0  # a sequence with nothing kept is not counted
-    whole_sum, whole_count = aggregate(token_loss, mask, mode)
+    response = torch.ones(5, 12, dtype=torch.float64)
+    response[1, 9:] = 0.0  # padding
+    mask = (torch.rand(5, 12, generator=g) > 0.4).double() * response
+    mask[2] = 0.0  # a sequence with nothing kept: counted by the batch denominator only
+    response_tokens = response.sum(dim=1)
+    whole_sum, whole_count = aggregate(token_loss, mask, mode, denominator, response_tokens)
     cp = 3
     seq_tokens = mask.sum(dim=1)
-    parts = [aggregate(split_sequence(token_loss, cp, r), split_sequence(mask, cp, r), mode,
-                       seq_tokens=seq_tokens, count_sequences=r == 0) for r in range(cp)]
+    parts = [aggregate(split_sequence(token_loss, cp, r), split_sequence(mask, cp, r), mode, denominator,
+                       response_tokens, seq_tokens=seq_tokens, count_sequences=r == 0) for r in range(cp)]
     assert sum(float(s) for s, _ in parts) == pytest.approx(float(whole_sum), abs=1e-12)
     assert sum(float(c) for _, c in parts) == float(whole_count)
-    if mode != "token-mean":  # without the whole-sequence counts the parts would not add up
-        naive = [aggregate(split_sequence(token_loss, cp, r), split_sequence(mask, cp, r), mode) for r in range(cp)]
+    if mode != "token-mean" or denominator == "batch":  # without one counting rank the counts would not add up
+        naive = [aggregate(split_sequence(token_loss, cp, r), split_sequence(mask, cp, r), mode, denominator,
+                           response_tokens, seq_tokens=seq_tokens) for r in range(cp)]
         assert sum(float(c) for _, c in naive) != float(whole_count)

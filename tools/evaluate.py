@@ -84,13 +84,20 @@ KV_FIELDS = ("interval", "window", "sink", "selection", "shared_scores", "trigge
              "similarity_threshold")
 
 
+def default_kv():
+    """The KV fields without --config: the run config's defaults, compressing every 16 decode steps."""
+    from sparse_rl_mega.config import KVCompressionConfig
+
+    return KVCompressionConfig(interval=16)
+
+
 def kv_base(args):
     """The KVCompressionConfig every ``POLICY:BUDGET`` setting takes its other fields from."""
     import dataclasses
 
-    from sparse_rl_mega.config import KVCompressionConfig, load_config_or_exit
+    from sparse_rl_mega.config import load_config_or_exit
 
-    base = load_config_or_exit(args.config).rollout.kv_compression if args.config else KVCompressionConfig(interval=16)
+    base = load_config_or_exit(args.config).rollout.kv_compression if args.config else default_kv()
     return dataclasses.replace(base, **{f: getattr(args, f) for f in KV_FIELDS if getattr(args, f) is not None})
 
 
@@ -99,24 +106,20 @@ def parse_kv(spec: str, base=None) -> list[tuple[str, dict]]:
     (each compressed setting with every other field of ``base``, a KVCompressionConfig), checked as the
     engine will check it. Exits with one line naming the bad setting."""
     from sglang_patches.settings import EngineKVSettings
-    from sparse_rl_mega.config import KVCompressionConfig
     from sparse_rl_mega.evaluation import parse_kv_variants
-    from sparse_rl_mega.kv import build_policy
+    from sparse_rl_mega.rollout.engine import check_request_kv
 
-    base = base or KVCompressionConfig(interval=16)
+    base = base or default_kv()
     try:
         variants = parse_kv_variants(spec, base)
     except ValueError as exc:
         raise SystemExit(f"--kv: {exc}") from None
     engine = EngineKVSettings.from_config(base)
     for label, override in variants:
-        setting = engine.updated(override) if override is not None else engine
-        if setting.enabled:
-            try:
-                build_policy(setting.policy, sink=setting.sink, window=setting.window, selection=setting.selection,
-                             shared_scores=setting.shared_scores, **setting.params).check_budget(setting.budget)
-            except (ValueError, TypeError) as exc:
-                raise SystemExit(f"--kv {label}: {exc}") from None
+        try:
+            check_request_kv(engine, override)
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"--kv {label}: {exc}") from None
     return variants
 
 

@@ -173,6 +173,15 @@ def newline_token_ids(tokenizer) -> list[int]:
     return ids
 
 
+def check_request_kv(kv: EngineKVSettings, override: Optional[dict]) -> None:
+    """Raise ValueError (TypeError for an unknown policy parameter) if ``override`` (None: the engine's
+    own settings) on an engine with settings ``kv`` is not a policy the engine can run at its budget."""
+    resolved = kv.updated(override) if override is not None else kv
+    if resolved.enabled:
+        build_policy(resolved.policy, sink=resolved.sink, window=resolved.window, selection=resolved.selection,
+                     shared_scores=resolved.shared_scores, **resolved.params).check_budget(resolved.budget)
+
+
 def engine_kv_settings(kv_cfg, tokenizer=None) -> EngineKVSettings:
     """Map ``rollout.kv_compression`` of the run config onto the engine's settings (the tokenizer is
     needed for the newline trigger)."""
@@ -333,11 +342,7 @@ class RolloutEngine:
         if kv_override is not None:
             if not self.kv.allow_request_override:
                 raise ValueError("this engine was started without allow_request_override")
-            resolved = self.kv.updated(kv_override)  # raises here, not in the scheduler
-            if resolved.enabled:
-                build_policy(resolved.policy, sink=resolved.sink, window=resolved.window,
-                             selection=resolved.selection, shared_scores=resolved.shared_scores,
-                             **resolved.params).check_budget(resolved.budget)
+            check_request_kv(self.kv, kv_override)  # raises here, not in the scheduler
             custom = {REQUEST_KEY: dict(kv_override)}
         input_ids, params = [], []
         for p_index, ids in enumerate(prompts_ids):

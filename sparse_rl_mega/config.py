@@ -367,6 +367,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # the model.arch fields read from the model folder because the YAML left them out (set on loading)
+    arch_from_folder: typing.ClassVar[list[str]] = []
 
     # ------------------------------------------------------------------ derived layout
     @property
@@ -408,15 +410,40 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> RunC
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
     for item in overrides or []:
         _apply_override(raw, item)
-    cfg = _build(RunConfig, raw, "", str(path))
-    validate(cfg, str(path))
-    return cfg
+    return config_from_dict(raw, str(path))
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
+    """Build and validate a config from its YAML tree; ``model.arch`` fields left out are read from the
+    model folder's config.json (:func:`fill_arch_from_folder`)."""
+    from_folder = fill_arch_from_folder(raw, source)
     cfg = _build(RunConfig, raw, "", source)
+    cfg.arch_from_folder = from_folder
     validate(cfg, source)
     return cfg
+
+
+def fill_arch_from_folder(raw: dict, source: str) -> list[str]:
+    """Fill the ``model.arch`` fields that ``raw`` leaves out from the HF ``config.json`` in ``model.path``
+    (``family`` from its ``model_type``), in place; returns the names filled. Fields written in the
+    config stay as written (and are checked against the folder by :func:`validate`). Without a folder
+    to read, the section must be written out, unless ``model.create_tiny`` builds the model from it."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
+        return []  # (reported by _build / validate, naming the key)
+    given = model.get("arch")
+    if given is not None and not isinstance(given, dict):
+        return []
+    hf_config = Path(model["path"]) / "config.json"
+    if not hf_config.is_file():
+        if given is None and model.get("create_tiny") is None:
+            raise ConfigError(f"{source}: model.arch: not given, and {hf_config} does not exist here to read it "
+                              "from: write the model.arch section, or run where the model folder is")
+        return []
+    read = arch_from_hf_config(model["path"], source)
+    filled = [name for name in read if name not in (given or {})]
+    model["arch"] = {**{name: read[name] for name in filled}, **(given or {})}
+    return filled
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -600,6 +627,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  f"(parallel.nproc_per_node={p.nproc_per_node})")
     _require(d.prompts_per_iteration % r.num_engines == 0, source, "data.prompts_per_iteration",
              f"{d.prompts_per_iteration} prompts cannot be shared equally by rollout.num_engines={r.num_engines}")
+    _require(r.max_new_tokens < a.max_position_embeddings, source, "rollout.max_new_tokens",
+             f"{r.max_new_tokens} leaves no room for a prompt in the model's {a.max_position_embeddings} positions "
+             "(model.arch.max_position_embeddings): SGLang refuses prompt + max_new_tokens beyond them")
     _require(r.max_staleness >= 0, source, "rollout.max_staleness",
              f"must be >= 0 (0: no overlap; K: samples at most K weight versions old), got {r.max_staleness}")
     _require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
@@ -692,21 +722,6 @@ def load_config_or_exit(path: str | Path, overrides: Optional[list[str]] = None)
         raise SystemExit(2) from None
 
 
-def missing_inputs(cfg: RunConfig) -> list[str]:
-    """Input files a run needs that do not exist here (checked by the launcher before it starts
-    anything, not by ``validate``, so that --dry-run / --plan work on any machine)."""
-    needed = {"data.train_path": cfg.data.train_path, "eval.path": cfg.eval.path}
-    hints = {"data.train_path": "a jsonl of prompts and labels",
-             "eval.path": "a prompt_label jsonl; write held-out sets with tools/prepare_data.py"}
-    missing = [f"{key}: {path} is not a file ({hints[key]})" for key, path in needed.items()
-               if path and not Path(path).is_file()]
-    model = Path(cfg.model.path)
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if (model / "config.json").is_file() and not any((model / name).is_file() for name in tokenizer_files):
-        missing.append(f"model.path: {model} has no tokenizer (none of {', '.join(tokenizer_files)})")
-    return missing
-
-
 def _validate_eval(cfg: RunConfig, source: str) -> None:
     e = cfg.eval
     if e.path is None:
@@ -720,6 +735,10 @@ def _validate_eval(cfg: RunConfig, source: str) -> None:
              "greedy decoding (eval.temperature: 0) gives one answer per problem: set n_samples: 1")
     _require(e.max_new_tokens is None or e.max_new_tokens > 0, source, "eval.max_new_tokens",
              f"must be > 0 or null, got {e.max_new_tokens}")
+    positions = cfg.model.arch.max_position_embeddings
+    _require(e.max_new_tokens is None or e.max_new_tokens < positions, source, "eval.max_new_tokens",
+             f"{e.max_new_tokens} leaves no room for a prompt in the model's {positions} positions "
+             "(model.arch.max_position_embeddings)")
     from sparse_rl_mega.evaluation import parse_kv_variants
 
     try:
@@ -771,14 +790,19 @@ def _validate_correction(c: CorrectionConfig, source: str) -> None:
                  "set is_level/reject_level to none and veto/kl thresholds to null (preset bypass)")
 
 
-def arch_from_hf_config(model_dir: str | Path) -> dict:
+def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
     """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
 
     Reads both config layouts of transformers (``rope_theta`` at the top, 4.x, or inside
     ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model type,
     RoPE scaling, MLP biases, sliding-window attention) raise :class:`ConfigError` naming the file and key."""
     path = Path(model_dir) / "config.json"
-    hf = json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise ConfigError(f"{source + ': ' if source else ''}model.path: {path} cannot be read as JSON: {exc}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source + ': ' if source else ''}model.path: {path} holds no JSON object")
     names = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
              "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
              "head_dim": "head_dim", "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
@@ -822,9 +846,16 @@ def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
         ours = getattr(a, name)
         _require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
                  f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
-    if "head_dim" in hf_arch:
-        _require(a.kv_channels == hf_arch["head_dim"], source, "model.arch.head_dim",
-                 f"heads of width {a.kv_channels} disagree with {hf_config} (head_dim {hf_arch['head_dim']})")
+    # HF's head width: head_dim where written, else hidden_size / num_attention_heads (as transformers derives it)
+    hf_head_dim = hf_arch.get("head_dim") or (hf_arch["hidden_size"] // hf_arch["num_attention_heads"]
+                                              if "hidden_size" in hf_arch and hf_arch.get("num_attention_heads") else None)
+    _require(hf_head_dim is None or a.kv_channels == hf_head_dim, source, "model.arch.head_dim",
+             f"heads of width {a.kv_channels} disagree with {hf_config} (heads of width {hf_head_dim}"
+             + (")" if "head_dim" in hf_arch else " = hidden_size / num_attention_heads)"))
+    for name in ("max_position_embeddings", "qkv_bias"):
+        ours = getattr(a, name)
+        _require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
+                 f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
     for name in ("rope_theta", "norm_eps"):  # floats (HF may store 1e-5 as 9.99999974e-06)
         ours = getattr(a, name)
         _require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,

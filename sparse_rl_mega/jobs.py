@@ -29,6 +29,28 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+TORCHRUN_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py")
+
+
+def end_torchrun_agent(local_rank: int, wait_s: float = 30.0) -> None:
+    """Under torchrun, after a usage error found before the job started (printed already): end its agent
+    so that it does not add a 30-line report of the failed worker to that line. The node's first process
+    kills the agent (SIGKILL: nothing of the job exists yet; the node's workers die with it, see
+    :func:`die_with_parent`; torchrun exits with status 137); the others wait for that, so the agent never
+    sees a worker fail first. Returns at once when the parent is not torchrun's agent."""
+    parent = os.getppid()
+    try:
+        command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return
+    if not any(name in command for name in TORCHRUN_COMMANDS):
+        return
+    sys.stderr.flush()
+    if local_rank == 0:
+        os.kill(parent, signal.SIGKILL)
+    time.sleep(wait_s)  # (bounded: a parent that survives leaves this process to exit on its own)
+
+
 class FolderLocked(RuntimeError):
     """Another job writes the folder."""
 

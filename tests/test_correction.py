@@ -144,7 +144,7 @@ def test_sparse_rl_preset_is_the_paper():
 
 
 def test_yaml_preset_with_override():
-    raw = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl", "prompts_per_iteration": 4},
+    raw = {"model": {"path": "m", "arch": {}}, "data": {"train_path": "d.jsonl", "prompts_per_iteration": 4},
            "rollout": {"n_samples_per_prompt": 4}, "trainer": {"global_batch_size": 16},
            "algorithm": {"correction": {"preset": "tis", "is_high": 3.0}}}
     c = config_from_dict(raw).algorithm.correction

@@ -283,7 +283,7 @@ def test_load_time_template_errors_name_the_key(tmp_path):
 
 
 def test_data_config_validation_names_the_key(tmp_path):
-    base = {"model": {"path": str(tmp_path / "model")}, "data": {"train_path": "x.jsonl"}}
+    base = {"model": {"path": str(tmp_path / "model"), "arch": {}}, "data": {"train_path": "x.jsonl"}}
 
     def check(data: dict, key: str, model: dict | None = None):
         raw = {"model": {**base["model"], **(model or {})}, "data": {**base["data"], **data}}

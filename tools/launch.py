@@ -25,6 +25,7 @@ import time
 LAUNCHED_AT = time.time()  # start-up is counted from here (the workers get it through the environment)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -33,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sparse_rl_mega.config import RunConfig, load_config_or_exit, missing_inputs  # noqa: E402
+from sparse_rl_mega.config import RunConfig, load_config_or_exit  # noqa: E402
+from sparse_rl_mega.preflight import preflight  # noqa: E402
 from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # LAUNCHED_AT, from this process to its torchrun workers
@@ -89,8 +91,7 @@ def describe_layout(cfg: RunConfig) -> str:
     virtual = f" ({vpp} virtual stages each)" if vpp > 1 else ""
     context = f" x CP {cp}" if cp > 1 else ""
     lines = [
-        f"model      {m.path} ({m.arch.family}, {m.arch.num_layers} layers, hidden {m.arch.hidden_size}, "
-        f"heads {m.arch.num_attention_heads}/{m.arch.num_query_groups} kv)",
+        f"model      {m.path}: {describe_arch(cfg)}",
         f"learner    world {cfg.world_size} = {p.nnodes} node(s) x {p.nproc_per_node}; TP {tp} x PP {pp}{virtual}"
         f"{context} x DP {cfg.data_parallel_size}; layers {m.transformer_impl}, {precision}",
         f"rollout    {r.num_engines} engine(s) x TP {r.engine_tensor_parallel_size}, {r.placement}"
@@ -106,27 +107,21 @@ def describe_layout(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-def input_problems(cfg: RunConfig) -> list[str]:
-    """Input files that are missing or unreadable, each as one line: the data rows are read here, so a
-    bad row is reported before any worker starts."""
-    problems = missing_inputs(cfg)
-    if problems:
-        return problems
-    from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
-
-    d = cfg.data
-    model_ready = Path(cfg.model.path, "config.json").is_file()
-    if model_ready or d.format == "prompt_label" or not d.apply_chat_template or d.tokenizer:
-        try:
-            load_prompt_dataset(d, default_tokenizer=cfg.model.path)
-        except DataError as exc:
-            problems.append(f"data.train_path: {exc}")
-    if cfg.eval.path:
-        try:
-            PromptDataset(cfg.eval.path)
-        except DataError as exc:
-            problems.append(f"eval.path: {exc}")
-    return problems
+def describe_arch(cfg: RunConfig) -> str:
+    """Every ``model.arch`` field in a few words, and which were read from the model folder."""
+    a = cfg.model.arch
+    features = [name for name, on in (("tied embeddings", a.tie_word_embeddings), ("q/k/v biases", a.has_qkv_bias),
+                                      ("q/k norms", a.qk_layernorm)) if on]
+    text = (f"{a.family}, {a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, heads "
+            f"{a.num_attention_heads} ({a.num_query_groups} kv) x {a.kv_channels}, vocab {a.vocab_size}, "
+            f"{a.max_position_embeddings} positions, rope_theta {a.rope_theta:g}, norm_eps {a.norm_eps:g}"
+            + "".join(f", {f}" for f in features))
+    read = cfg.arch_from_folder
+    if not read:
+        return text
+    every = len(read) >= len([f for f in dataclasses.fields(a) if f.name != "qkv_bias"])
+    return text + ("; model.arch read from its config.json" if every else
+                   f"; read from its config.json: {', '.join(read)}")
 
 
 def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
@@ -180,6 +175,14 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
             lock.release()
 
 
+def report_problems(config: str, problems: list[str]) -> int:
+    """One ``config error:`` line per problem (under torchrun from each node's first process); exit status 2."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        for line in problems:
+            print(f"config error: {config}: {line}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     from sparse_rl_mega.quiet import quiet_known_warnings
 
@@ -196,8 +199,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     if args.dry_run:
+        checked = preflight(cfg, dry_run=True)
+        if checked.problems:
+            return report_problems(args.config, checked.problems)
         print(describe_layout(cfg))
         print("config OK (dry run: nothing started)")
+        for line in checked.not_here:
+            print(f"  not on this machine, not checked: {line}")
         return 0
     if args.plan:
         from sparse_rl_mega.planner import format_plan, plan_memory
@@ -208,12 +216,14 @@ def main(argv=None) -> int:
         return 0 if plan.fits else 3
     from sparse_rl_mega.jobs import held_by_launcher
 
-    problems = [] if held_by_launcher() else input_problems(cfg)  # (a launcher checked them already)
+    problems = [] if held_by_launcher() else preflight(cfg).problems  # (a launcher checked them already)
     if problems:
-        if os.environ.get("RANK", "0") == "0":
-            for line in problems:
-                print(f"config error: {args.config}: {line}", file=sys.stderr)
-        return 2
+        status = report_problems(args.config, problems)
+        if under_torchrun:
+            from sparse_rl_mega.jobs import end_torchrun_agent
+
+            end_torchrun_agent(int(os.environ["LOCAL_RANK"]))
+        return status
     if not under_torchrun:
         if cfg.parallel.nnodes > 1:
             print("config error: parallel.nnodes > 1: start this script with torchrun on every node "

@@ -38,7 +38,7 @@ class RowError(ValueError):
 def _label_text(value: Any) -> Optional[str]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    return value if isinstance(value, str) and value else None
+    return value if isinstance(value, str) and value.strip() else None
 
 
 class PromptLabelFormat:
@@ -49,11 +49,11 @@ class PromptLabelFormat:
 
     def __call__(self, row: dict) -> tuple[str, str]:
         prompt = row.get(self.prompt_key)
-        if not isinstance(prompt, str) or not prompt:
-            raise RowError(f"key {self.prompt_key!r} must be a non-empty string, got {prompt!r}")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RowError(f"key {self.prompt_key!r} must be a string that is not blank, got {prompt!r}")
         label = _label_text(row.get(self.label_key))
         if label is None:
-            raise RowError(f"key {self.label_key!r} must be a non-empty string or number, "
+            raise RowError(f"key {self.label_key!r} must be a number or a string that is not blank, "
                            f"got {row.get(self.label_key)!r}")
         return prompt, label
 
@@ -91,11 +91,16 @@ RowFormat = Callable[[dict], tuple[str, str]]
 def json_objects(path: str | Path) -> Iterator[tuple[str, int, Optional[dict], Optional[str]]]:
     """``(where, line_no, row, problem)`` for every non-blank line of a jsonl file: ``row`` is the
     line's JSON object, or None with ``problem`` saying why (``where`` is ``file:line``)."""
-    with Path(path).open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+    with Path(path).open("rb") as handle:  # (bytes: a line that is not UTF-8 is reported with its number)
+        for line_no, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, line_no, None, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line)"
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:

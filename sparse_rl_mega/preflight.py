@@ -1,0 +1,174 @@
+"""Pre-flight: the inputs a run reads, checked before any process starts.
+
+:func:`validate` (config.py) checks the config itself; this checks it against the files it names:
+
+* the data files (``data.train_path``, ``eval.path``): they exist, are UTF-8 jsonl, every row is valid
+  and no prompt is blank (file and line named);
+* the model folder: config.json, weights and a tokenizer (unless ``model.create_tiny`` builds it);
+* lengths: the longest prompt plus ``max_new_tokens`` fits the model's positions, as SGLang demands
+  (prompt + new tokens <= its context length), for the rollouts and the held-out evaluation;
+* under torchrun, the processes it started against the config's ``parallel`` section.
+
+``tools/launch.py`` runs it before it starts anything (every failure one line naming the key or file,
+exit status 2); ``--dry-run`` runs it on the inputs that exist on this machine and lists the others as
+not checked (a cluster config is checked on a laptop). Nothing here imports torch or transformers:
+a mistake is reported within a second or two.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from sparse_rl_mega.config import RunConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class Preflight:
+    problems: list[str] = field(default_factory=list)  # one line each: "KEY: what is wrong (what to do)"
+    not_here: list[str] = field(default_factory=list)  # inputs absent on this machine (--dry-run only)
+
+
+def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = None) -> Preflight:
+    """Every check of this module on ``cfg``. ``dry_run``: an absent input is listed in ``not_here``
+    rather than as a problem. ``environ`` (default ``os.environ``): torchrun's variables, when set."""
+    report = Preflight()
+    environ = os.environ if environ is None else environ
+
+    def absent(key: str, what: str) -> None:
+        (report.not_here if dry_run else report.problems).append(f"{key}: {what}")
+
+    report.problems += world_problems(cfg, environ)
+    model_ready = check_model_folder(cfg, report, absent)
+    datasets = load_datasets(cfg, report, absent, model_ready)
+    if model_ready and not report.problems:
+        report.problems += length_problems(cfg, datasets)
+    return report
+
+
+def world_problems(cfg: RunConfig, environ) -> list[str]:
+    """Under torchrun (its WORLD_SIZE / LOCAL_WORLD_SIZE set): its process counts against the config."""
+    p = cfg.parallel
+    problems = []
+    world, local = environ.get("WORLD_SIZE"), environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and int(local) != p.nproc_per_node:
+        problems.append(f"parallel.nproc_per_node: {p.nproc_per_node} processes per node, but torchrun started "
+                        f"{local} on this node: start it with --nproc-per-node {p.nproc_per_node} (or change "
+                        f"parallel.nproc_per_node)")
+    elif world is not None and int(world) != cfg.world_size:
+        problems.append(f"parallel.nnodes: {p.nnodes} node(s) x {p.nproc_per_node} = {cfg.world_size} processes, but "
+                        f"torchrun started {world} in all: start it with --nnodes {p.nnodes} --nproc-per-node "
+                        f"{p.nproc_per_node} on every node (or change parallel.nnodes)")
+    return problems
+
+
+def check_model_folder(cfg: RunConfig, report: Preflight, absent) -> bool:
+    """The model folder: config.json (validate() has compared model.arch with it), weights, a tokenizer.
+    Returns whether the folder is complete here (the prompt lengths can then be counted)."""
+    m = cfg.model
+    folder = Path(m.path)
+    if not (folder / "config.json").is_file():
+        if m.create_tiny is None:  # (a folder without config.json fails validate(), naming model.path)
+            absent("model.path", f"{folder} does not exist (an HF model folder: config.json, weights, tokenizer)")
+        return False  # (create_tiny: built by the first run, from model.arch)
+    if not (any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))):
+        report.problems.append(f"model.path: {folder} has no weights (*.safetensors or pytorch_model*.bin)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        report.problems.append(f"model.path: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+        return False
+    return not report.problems
+
+
+def load_datasets(cfg: RunConfig, report: Preflight, absent, model_ready: bool) -> dict:
+    """``{key: PromptDataset}`` of the data files that exist and read cleanly; a bad file or row is a
+    problem naming the key, the file and the line."""
+    from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
+
+    d = cfg.data
+    datasets = {}
+    if not Path(d.train_path).is_file():
+        absent("data.train_path", f"{d.train_path} is not a file (a jsonl of prompts and labels)")
+    elif model_ready or d.format == "prompt_label" or not d.apply_chat_template or d.tokenizer:
+        try:  # (question_answer rows templated with model.path's tokenizer: checked once it exists)
+            datasets["data.train_path"] = load_prompt_dataset(d, default_tokenizer=cfg.model.path)
+        except DataError as exc:
+            report.problems.append(f"data.train_path: {exc}")
+    if cfg.eval.path:
+        if not Path(cfg.eval.path).is_file():
+            absent("eval.path", f"{cfg.eval.path} is not a file (a prompt_label jsonl; write held-out sets with "
+                                "tools/prepare_data.py)")
+        else:
+            try:
+                datasets["eval.path"] = PromptDataset(cfg.eval.path)
+            except DataError as exc:
+                report.problems.append(f"eval.path: {exc}")
+    return datasets
+
+
+def length_problems(cfg: RunConfig, datasets: dict) -> list[str]:
+    """The longest prompt + ``max_new_tokens`` against the model's positions, for each setting of
+    ``max_new_tokens`` (the held-out set's is the rollout's unless ``eval.max_new_tokens`` is set):
+    SGLang refuses a request whose prompt + max_new_tokens exceeds its context length."""
+    counter = PromptTokenCounter(cfg.model.path)
+    positions = cfg.model.arch.max_position_embeddings
+    settings = {"data.train_path": ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)}
+    if cfg.eval.max_new_tokens is not None:
+        settings["eval.path"] = ("eval.max_new_tokens", cfg.eval.max_new_tokens)
+    longest: dict[tuple, tuple[int, str]] = {}  # (key, new tokens) -> (tokens, "file:line") of the longest prompt
+    for key, dataset in datasets.items():
+        setting = settings.get(key, settings["data.train_path"])
+        found = counter.longest([r.prompt for r in dataset.records], [r.source for r in dataset.records])
+        longest[setting] = max(longest.get(setting, found), found)
+    problems = []
+    for (key, new_tokens), (tokens, where) in longest.items():
+        if tokens + new_tokens > positions:
+            room = positions - tokens
+            fix = f"at most {room} fit" if room > 0 else "the prompt alone does not fit: shorten it"
+            problems.append(f"{key}: {new_tokens} new tokens after the longest prompt ({tokens} tokens, {where}) exceed "
+                            f"the model's {positions} positions (model.arch.max_position_embeddings); {fix}")
+    return problems
+
+
+class PromptTokenCounter:
+    """Token counts of prompts as the engine receives them (``data.formatting.encode_prompt``: the
+    tokenizer's special tokens, unless the prompt already begins with the BOS text), from the model
+    folder's ``tokenizer.json`` with the ``tokenizers`` library (transformers' fast tokenizers run the
+    same file; importing it would cost seconds); transformers' own tokenizer without a tokenizer.json."""
+
+    def __init__(self, model_dir: str | Path):
+        folder = Path(model_dir)
+        self.bos = _bos_text(folder)
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            self._count = lambda text, special: len(tokenizer.encode(text, add_special_tokens=special).ids)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            self.bos = tokenizer.bos_token
+            self._count = lambda text, special: len(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def count(self, prompt: str) -> int:
+        return self._count(prompt, not (self.bos and prompt.startswith(self.bos)))
+
+    def longest(self, prompts: Sequence[str], sources: Sequence[str]) -> tuple[int, str]:
+        """``(tokens, source)`` of the longest prompt (one at a time: a batch would start the Rust
+        library's thread pool in a process that forks the ranks afterwards)."""
+        counts = [self.count(prompt) for prompt in prompts]
+        best = max(range(len(counts)), key=counts.__getitem__)
+        return counts[best], sources[best]
+
+
+def _bos_text(folder: Path) -> Optional[str]:
+    """The BOS token's text from tokenizer_config.json (a string, or a dict with ``content``)."""
+    try:
+        bos = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("bos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return bos.get("content") if isinstance(bos, dict) else bos

@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     if not under_torchrun:
         if cfg.parallel.nnodes > 1:
             print("config error: parallel.nnodes > 1: start this script with torchrun on every node "
-                  "(see README, 'Running on a cluster')", file=sys.stderr)
+                  "(see docs/cluster.md)", file=sys.stderr)
             return 2
         return run_job(cfg, args)
     from sparse_rl_mega.trainer import run_training

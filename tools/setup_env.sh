@@ -7,7 +7,7 @@
 #
 # Needs python3.11 and PyPI. torch 2.13.0+cpu must be findable by pip (these machines keep it on
 # local disk; elsewhere set TORCH_WHEEL=/path/to/torch-2.13.0+cpu-...whl or use an index that has it).
-# GPU machines use `pip install -e .[gpu]` in their own CUDA environment instead (see README).
+# GPU machines use `pip install -e .[gpu]` in their own CUDA environment instead (see docs/environment.md).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${1:-$ROOT/.venv}

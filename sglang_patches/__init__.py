@@ -2,7 +2,7 @@
 entry point (see setup.py). Settings arrive in the ``SPARSE_RL_MEGA_KV`` environment variable; without
 it (or with ``policy: none``) the engine decodes exactly as stock SGLang and only reports pool usage.
 With the ``pytorch`` sampling backend, a request's ``sampling_seed`` always decides its tokens
-(``seeded_sampling``)."""
+(``seeded_sampling``). Weight-loading bars are drawn only over several shard files (``loading_bar``)."""
 import os
 
 _installed = False
@@ -12,10 +12,11 @@ def register() -> None:
     global _installed
     if _installed or os.environ.get("SPARSE_RL_MEGA_PLUGIN_OFF") == "1":
         return
-    from sglang_patches import seeded_sampling
+    from sglang_patches import loading_bar, seeded_sampling
     from sglang_patches.kv_eviction import install
     from sglang_patches.settings import EngineKVSettings
 
     install(EngineKVSettings.from_env())
     seeded_sampling.install()
+    loading_bar.install()
     _installed = True

@@ -2,6 +2,7 @@
 configured; the whole resolved config is logged as parameters and as a YAML artifact."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +21,15 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[f"{prefix}{key}"] = str(value)
     return out
+
+
+def default_run_name(cfg: RunConfig) -> str:
+    """What ran, as the MLflow run's name (``tracking.run_name`` overrides it): the config file's name,
+    the rollouts' KV policy and budget, the correction preset, e.g. ``cpu_tiny-rkv48-sparse_rl``."""
+    kv = cfg.rollout.kv_compression
+    config = Path(cfg.config_path).stem if cfg.config_path else Path(cfg.trainer.run_dir).name
+    rollouts = "dense" if kv.policy == "none" else f"{kv.policy}{kv.budget}"
+    return f"{config}-{rollouts}-{cfg.algorithm.correction.preset}"
 
 
 def default_tracking_uri(run_dir: str | Path) -> str:
@@ -48,7 +58,12 @@ def seed_sqlite_store(tracking_uri: str) -> None:
     if not template.is_file():
         template.parent.mkdir(parents=True, exist_ok=True)
         building = template.with_name(f"{template.name}.{os.getpid()}.tmp")
-        mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()  # creates the tables
+        migrations = logging.getLogger("mlflow.store.db.utils")  # (its INFO lines on the tables it creates)
+        level, migrations.level = migrations.level, logging.WARNING
+        try:
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()  # creates the tables
+        finally:
+            migrations.setLevel(level)
         os.replace(building, template)  # atomic: concurrent runs never see half a template
     shutil.copyfile(template, target)
 
@@ -71,7 +86,7 @@ class Tracker:
         import mlflow
 
         self.mlflow = mlflow
-        run_dir = Path(cfg.trainer.run_dir).resolve()
+        self.run_dir = run_dir = Path(cfg.trainer.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = cfg.tracking.tracking_uri or default_tracking_uri(run_dir)
         seed_sqlite_store(self.tracking_uri)
@@ -85,11 +100,11 @@ class Tracker:
         config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         if resume_run_id is not None and self._exists(resume_run_id):
             run = mlflow.start_run(run_id=resume_run_id)
-            self.run_id, self.continued = run.info.run_id, True
+            self.run_id, self.continued, self.run_name = run.info.run_id, True, run.info.run_name
             mlflow.log_text(config_text, f"config_resumed_{run.info.end_time or 0}.yaml")
             return
-        run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.tracking.run_name)
-        self.run_id = run.info.run_id
+        run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.tracking.run_name or default_run_name(cfg))
+        self.run_id, self.run_name = run.info.run_id, run.info.run_name
         if resume_run_id is not None:
             mlflow.set_tag("resumed_from_run", resume_run_id)
         params = _flatten(cfg.to_dict())
@@ -97,6 +112,17 @@ class Tracker:
         for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             mlflow.log_params(dict(items[start:start + 100]))
         mlflow.log_text(config_text, "config.yaml")
+
+    def how_to_open(self) -> str:
+        """One line: how to look at this run in MLflow's UI."""
+        if self.tracking_uri != default_tracking_uri(self.run_dir):
+            return f"MLflow run {self.run_name!r} ({self.run_id}) at {self.tracking_uri}"
+        root = Path(__file__).resolve().parent.parent  # (where the Makefile is)
+        if Path.cwd().resolve() == root and self.run_dir.is_relative_to(root):
+            command = f"make mlflow-ui RUN={self.run_dir.relative_to(root)}"
+        else:
+            command = f"make -C {root} mlflow-ui RUN={self.run_dir}"
+        return f"MLflow run {self.run_name!r}: {command}, then open http://127.0.0.1:5000"
 
     def _exists(self, run_id: str) -> bool:
         try:

@@ -298,7 +298,9 @@ class Trainer:
         return "\n".join(lines)
 
     def checkpoint_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.dir or Path(self.cfg.trainer.run_dir) / "checkpoints")
+        from sparse_rl_mega.learner.checkpoint import checkpoint_folder
+
+        return checkpoint_folder(self.cfg)
 
     def maybe_resume(self) -> None:
         """Load model, optimizer and RNG from ``checkpoint.resume`` (any TP/PP layout)."""
@@ -357,6 +359,7 @@ class Trainer:
         evaluating = cfg.eval.path is not None and self.rank == 0
         if evaluating and self.start_iteration == 0 and cfg.eval.before_training:
             self.evaluate(0)
+        loop_started = time.perf_counter()
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
@@ -432,8 +435,9 @@ class Trainer:
                 with timer.phase("checkpoint"):
                     extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
                              "initial_model": cfg.model.path, "config": cfg.to_dict()}
-                    save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
-                                    rank0_extra=self.rollouts.save)
+                    saved = save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last,
+                                            extra=extra, rank0_extra=self.rollouts.save)
+                log(f"[checkpoint] iteration {trained} saved in {timer.spans[-1][2] - timer.spans[-1][1]:.1f} s: {saved}")
 
             if evaluating and eval_due:
                 with timer.phase("eval"):
@@ -445,11 +449,18 @@ class Trainer:
             if self.rank == 0:
                 self.tracker.log_metrics(metrics, step=iteration)
                 self.write_timeline(iteration, timer)
-                log(_progress_line(iteration, cfg.trainer.iterations, metrics))
-                log(f"           example response: {example[:100]!r}")
+                done, left = iteration + 1 - self.start_iteration, cfg.trainer.iterations - iteration - 1
+                eta = (time.perf_counter() - loop_started) / done * left
+                log(_progress_line(iteration, cfg.trainer.iterations, metrics) + (f" | ETA {duration(eta)}" if left else ""))
+                log(f"           example response: {example[:100]!r}" + (
+                    "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
         if evaluating and len(self.eval_history) > 1:
             log(self.eval_summary())
-        log(f"[done] {cfg.trainer.iterations} iteration(s); run folder {Path(cfg.trainer.run_dir).resolve()}")
+        trained = max(0, cfg.trainer.iterations - self.start_iteration)
+        log(f"[done] {trained} iteration(s) in {duration(time.perf_counter() - loop_started)} ({duration(time.time() - self.clock.started_at)} "
+            f"since launch); run folder {Path(cfg.trainer.run_dir).resolve()}")
+        if self.tracker is not None and self.tracker.enabled:
+            log(f"[done] {self.tracker.how_to_open()}")
 
     def write_timeline(self, iteration: int, timer: PhaseTimer) -> None:
         """Rank 0: one line of ``<run_dir>/timeline.jsonl`` per iteration: the wall-clock spans of the
@@ -536,6 +547,18 @@ def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, g
         out.update({f"{key}_staleness{s}": m[key] for key in ("mismatch/k3", "correction/token_rejected_fraction",
                                                                "correction/veto_fraction")})
     return out
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``3m 05s``, ``2h 03m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
 
 
 def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:

@@ -205,6 +205,20 @@ def test_newline_trigger_compresses_at_line_ends(evicting_engine, hf_model, name
     assert after["compactions"] - before["compactions"] == with_newlines > length_only
 
 
+def test_response_text_is_the_whole_decode_of_its_tokens(evicting_engine, tiny_model_dir):
+    """The text that rewards and the console read is the response's tokens decoded together: SGLang
+    assembles it from incremental pieces, which must not cut a character that spans several byte-level
+    tokens. Sampled hot from a prompt with multi-byte characters, the tiny byte-level model also emits
+    bytes that form no character: those are U+FFFD in the whole decode too."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer("caf\u00e9 \u20ac 3 + 4 =")["input_ids"]
+    samples = evicting_engine.generate([prompt], n_samples=16, max_new_tokens=24, temperature=1.5, seed=3)
+    for sample in samples:
+        assert sample.response_text == tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+
 def test_unknown_override_is_refused_before_reaching_the_engine(evicting_engine):
     with pytest.raises(ValueError, match="unknown KV settings"):
         evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2, kv_override={"budgett": 4})

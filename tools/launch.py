@@ -124,6 +124,19 @@ def describe_arch(cfg: RunConfig) -> str:
                    f"; read from its config.json: {', '.join(read)}")
 
 
+def resume_hint(cfg: RunConfig) -> str:
+    """What ``--resume`` would start from now: the newest complete checkpoint, or nothing."""
+    from sparse_rl_mega.learner.checkpoint import checkpoint_folder, find_checkpoint
+
+    folder = checkpoint_folder(cfg)
+    newest = find_checkpoint("auto", folder)
+    if newest is not None:
+        return f"--resume continues from {newest}"
+    why = ("checkpoint.save_interval is 0" if not cfg.checkpoint.save_interval else
+           f"the first is due after iteration {cfg.checkpoint.save_interval}")
+    return f"no checkpoint under {folder} ({why}): --resume would start from the beginning"
+
+
 def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Single node: torchrun's agent in this process (one line when the job fails, instead of its
     report), restarted from the newest checkpoint up to ``--max-restarts`` times."""
@@ -141,7 +154,11 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     except FolderLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    import torch.distributed.elastic.agent.server.api as agent_api
+
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # the agent's own report: see below
+    # (its agent's logger has a level of its own; "Received 15 death signal": the stop line below says it)
+    agent_api.logger.setLevel(logging.ERROR)
     os.environ.update({LAUNCHED_AT_ENV: repr(LAUNCHED_AT), LOCK_HELD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())})
     overrides = list(args.overrides)
     print(describe_layout(cfg), flush=True)
@@ -168,7 +185,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
         return 1
     except (SignalException, KeyboardInterrupt) as exc:  # the agent has stopped the workers
         name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
-        print(f"[launch] stopped by {name}; continue with --resume", file=sys.stderr, flush=True)
+        print(f"[launch] stopped by {name}; {resume_hint(cfg)}", file=sys.stderr, flush=True)
         return 128 + (exc.sigval if isinstance(exc, SignalException) else 2)
     finally:
         for lock in locks:

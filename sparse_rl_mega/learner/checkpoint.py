@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.learner.model import Learner
-from sparse_rl_mega.learner.weights import as_chunks, chunks_sharded_state_dict
+if TYPE_CHECKING:  # (the launcher finds checkpoints without importing the learner)
+    from sparse_rl_mega.learner.model import Learner
 
 MARKER = "sparse_rl_mega.json"
 
@@ -82,6 +82,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep
             shutil.rmtree(target)
         target.mkdir(parents=True)  # dist_checkpointing needs an existing, empty folder
     dist.barrier()
+    from sparse_rl_mega.learner.weights import chunks_sharded_state_dict
+
     model_state = chunks_sharded_state_dict(learner.modules)
     state = {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
     dist_checkpointing.save(state, str(target))
@@ -98,6 +100,11 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return target
+
+
+def checkpoint_folder(cfg) -> Path:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+    return Path(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints")
 
 
 def find_checkpoint(spec: str, default_dir: str | Path) -> Optional[Path]:
@@ -130,6 +137,8 @@ def load_checkpoint(learner: Learner, path: str | Path) -> dict:
 
     path = Path(path)
     marker = read_marker(path)
+    from sparse_rl_mega.learner.weights import chunks_sharded_state_dict
+
     model_state = chunks_sharded_state_dict(learner.modules)
     state = {"model": model_state,
              "optimizer": learner.optimizer.sharded_state_dict(model_state, is_loading=True)}
@@ -147,6 +156,8 @@ def load_checkpoint(learner: Learner, path: str | Path) -> dict:
 
 
 def _load_chunks(modules, loaded: dict) -> None:
+    from sparse_rl_mega.learner.weights import as_chunks
+
     chunks = as_chunks(modules)
     if len(chunks) == 1:
         chunks[0].load_state_dict(loaded)
@@ -163,6 +174,8 @@ def load_model_weights(modules, path: str | Path) -> dict:
 
     path = Path(path)
     marker = read_marker(path)
+    from sparse_rl_mega.learner.weights import chunks_sharded_state_dict
+
     loaded = dist_checkpointing.load({"model": chunks_sharded_state_dict(modules)}, str(path))
     _load_chunks(modules, loaded["model"])
     dist.barrier()

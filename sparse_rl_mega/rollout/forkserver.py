@@ -74,8 +74,11 @@ SET_AFTER_PRELOAD = frozenset({
     "SGLANG_ENABLE_TORCH_COMPILE", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "SGLANG_DISABLE_OUTLINES_DISK_CACHE",
     # the learner's: Megatron's attention backend for Transformer Engine, MLflow's store (its
     # ``set_tracking_uri``) and telemetry session (set as its client starts, unless
-    # MLFLOW_DISABLE_TELEMETRY), which no engine process imports
-    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI", "_MLFLOW_TELEMETRY_SESSION_ID"})
+    # MLFLOW_DISABLE_TELEMETRY), which no engine process imports; the tracker's telemetry opt-outs
+    # (``tracking.py``: set while a background engine start launches its processes, they made its
+    # detokenizer a spawned interpreter whenever the launching shell had not exported them)
+    "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI", "_MLFLOW_TELEMETRY_SESSION_ID",
+    "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"})
 
 
 class EngineProcess(ForkServerProcess):
@@ -87,6 +90,11 @@ class EngineProcess(ForkServerProcess):
         _started[self.pid] = self
 
     def run(self) -> None:
+        from sparse_rl_mega.jobs import die_with_parent
+
+        # SIGKILL when the server ends, from the first instruction: SGLang asks for it only once set up, and a
+        # job stopped while its engine starts would leave the processes forked before then running
+        die_with_parent()
         process_server.take_environment(self._environ)
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)  # the server's SIG_IGN is not this process's
         # The server's preloaded modules (torch, SGLang: ~680k objects) live as long as the process:

@@ -369,6 +369,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # the model.arch fields read from the model folder because the YAML left them out (set on loading)
     arch_from_folder: typing.ClassVar[list[str]] = []
+    config_path: typing.ClassVar[Optional[str]] = None  # the YAML file it was loaded from (set on loading)
 
     # ------------------------------------------------------------------ derived layout
     @property
@@ -410,7 +411,9 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> RunC
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
     for item in overrides or []:
         _apply_override(raw, item)
-    return config_from_dict(raw, str(path))
+    cfg = config_from_dict(raw, str(path))
+    cfg.config_path = str(path)
+    return cfg
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:

@@ -1,0 +1,79 @@
+"""What the console says where things went: the ETA and totals, the MLflow run's name and how to open
+it, what --resume would continue from after a stop, and SGLang's loading bars only where they measure
+progress. (The lines themselves, in a run: tests/test_e2e.py reads a launch's output.)"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparse_rl_mega.config import load_config
+from tests.conftest import ROOT
+
+CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+@pytest.mark.parametrize("seconds, text", [(0.4, "0 s"), (59.4, "59 s"), (59.6, "1m 00s"), (185, "3m 05s"),
+                                           (3599, "59m 59s"), (7380, "2h 03m")])
+def test_durations_read_as_a_person_would_say_them(seconds, text):
+    from sparse_rl_mega.trainer import duration
+
+    assert duration(seconds) == text
+
+
+def test_mlflow_run_is_named_after_what_ran_and_says_how_to_open_it(tmp_path, monkeypatch):
+    from sparse_rl_mega.tracking import Tracker, default_run_name
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_run_name(load_config(CPU_TINY)) == "cpu_tiny-rkv12-sparse_rl"
+    dense = load_config(CPU_TINY, ["rollout.kv_compression.policy=none", "algorithm.correction.preset=naive"])
+    assert default_run_name(dense) == "cpu_tiny-dense-naive"
+    cfg = load_config(CPU_TINY, [f"trainer.run_dir={tmp_path / 'run'}"])
+    tracker = Tracker(cfg)
+    try:
+        assert tracker.run_name == "cpu_tiny-rkv12-sparse_rl"
+        assert tracker.how_to_open() == (f"MLflow run 'cpu_tiny-rkv12-sparse_rl': make -C {ROOT} mlflow-ui "
+                                         f"RUN={tmp_path / 'run'}, then open http://127.0.0.1:5000")
+    finally:
+        tracker.finish()
+    monkeypatch.chdir(ROOT)  # from the repository: the folder as make takes it, relative
+    relative = load_config(CPU_TINY, ["trainer.run_dir=runs/test-console-name", "tracking.run_name=mine"])
+    tracker = Tracker(relative, enabled=False)
+    tracker.run_dir, tracker.run_name, tracker.tracking_uri = (ROOT / "runs" / "test-console-name", "mine",
+                                                               f"sqlite:///{ROOT / 'runs' / 'test-console-name' / 'mlflow.db'}")
+    assert tracker.how_to_open() == ("MLflow run 'mine': make mlflow-ui RUN=runs/test-console-name, then open "
+                                     "http://127.0.0.1:5000")
+    tracker.tracking_uri = "http://tracking:5000"
+    tracker.run_id = "abc"
+    assert tracker.how_to_open() == "MLflow run 'mine' (abc) at http://tracking:5000"
+
+
+def test_the_stop_line_names_the_checkpoint_resume_would_use(tmp_path):
+    from launch import resume_hint
+
+    from sparse_rl_mega.learner.checkpoint import MARKER
+
+    cfg = load_config(CPU_TINY, [f"trainer.run_dir={tmp_path}"])
+    folder = tmp_path / "checkpoints"
+    assert resume_hint(cfg) == (f"no checkpoint under {folder} (the first is due after iteration 5): --resume would "
+                                "start from the beginning")
+    assert "(checkpoint.save_interval is 0)" in resume_hint(load_config(CPU_TINY, [f"trainer.run_dir={tmp_path}",
+                                                                                     "checkpoint.save_interval=0"]))
+    for iteration in (5, 10):
+        (folder / f"iter_{iteration:07d}").mkdir(parents=True)
+    (folder / "iter_0000005" / MARKER).write_text(json.dumps({"iteration": 5}))  # iteration 10: not complete
+    assert resume_hint(cfg) == f"--resume continues from {folder / 'iter_0000005'}"
+
+
+@pytest.mark.parametrize("shards, drawn", [(1, False), (2, True)])
+def test_sglang_draws_a_loading_bar_only_over_several_shards(shards, drawn, capsys):
+    from sglang_patches.loading_bar import _BarOverShards
+
+    files = [f"model-{i}.safetensors" for i in range(shards)]
+    assert list(_BarOverShards(files, desc="Loading safetensors checkpoint shards")) == files
+    with _BarOverShards(total=shards, desc="Multi-thread loading shards",
+                        position=_BarOverShards._get_free_pos()) as bar:
+        bar.update(shards)
+    assert ("Multi-thread loading shards" in capsys.readouterr().err) == drawn

@@ -5,10 +5,12 @@ Every benchmark is decoded once per KV setting (``none`` = dense, or ``POLICY:BU
 prompts, seeds and sampling, so the columns differ only by the KV cache. A ``POLICY:BUDGET`` setting
 takes every other KV field (sink, window, interval, selection, kernel, lambda, ...) from ``--config``'s
 ``rollout.kv_compression`` (a run's config: evaluate as that run's rollouts decoded; ``rollout`` names
-its own setting), else from the defaults below, each replaced by its flag when given. Reports per benchmark and
-setting: mean@k (the mean correctness of k samples per problem; pass@1 with k=1 or greedy), pass@k
-(unbiased estimator) and the mean response length; prints a table, writes ``results.json`` and a PNG plot,
-and logs everything to MLflow.
+its own setting), else from the defaults shown by ``--help``; a field's flag, when given, always wins.
+Without ``--config`` the sink and window follow each setting's budget B, so that every budget the
+policies can run (B >= 2) runs: window = min(8, B // 4) (at least 1), sink = min(4, B // 8), i.e. the
+run config's 8 and 4 from B = 32 on. Reports per benchmark and setting: mean@k (the mean correctness
+of k samples per problem; pass@1 with k=1 or greedy), pass@k (unbiased estimator) and the mean
+response length; prints a table, writes ``results.json`` and a PNG plot, and logs everything to MLflow.
 
     python tools/evaluate.py runs/assets/smollm2-135m-instruct --benchmarks gsm8k,math500 \\
         --kv none,rkv:64,snapkv:64,streaming:64 --limit 100
@@ -20,11 +22,14 @@ and logs everything to MLflow.
 MODEL is an HF folder, or a training checkpoint (an ``iter_*`` folder or a checkpoints folder), which
 is first exported to an HF folder with ``tools/export_hf.py``. A benchmark is a jsonl of
 ``{"prompt", "label"}`` rows (``tools/prepare_data.py`` writes them): give a path, or a name looked up
-as ``--data-dir/NAME.jsonl``.
+as ``--data-dir/NAME.jsonl``. The command line (numbers, KV settings, model, benchmarks) is checked
+before anything heavy starts: a problem is one ``evaluate.py: error:`` line, exit status 2.
+``--max-new-tokens`` is capped to what the model's positions leave after the longest prompt.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,73 +43,132 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="HF model folder, or a training checkpoint (iter_* or a checkpoints folder)")
-    p.add_argument("--benchmarks", required=True, help="comma-separated jsonl paths or names in --data-dir")
-    p.add_argument("--data-dir", default=str(ROOT / "runs" / "data"))
-    p.add_argument("--kv", default="none",
-                   help="comma-separated KV settings: none | POLICY:BUDGET (e.g. rkv:64) | rollout (--config's own)")
-    p.add_argument("--config", default=None, help="a run config: the KV fields of its rollout.kv_compression")
-    kv = p.add_argument_group("KV fields (default: --config's rollout.kv_compression, else the values shown)")
-    kv.add_argument("--interval", type=int, help="decode steps between compressions (N; default 16)")
-    kv.add_argument("--window", type=int, help="recent window / scoring queries (w; default 8)")
-    kv.add_argument("--sink", type=int, help="first tokens always kept (default 4; the published R-KV/SnapKV: 0)")
-    kv.add_argument("--selection", choices=["per_layer", "per_head", "shared"],
-                    help="a kept set per layer (default), per KV head, or one for every layer (the paper's release)")
-    kv.add_argument("--shared-scores", choices=["first_layer", "layer_sum"],
-                    help="shared selection scored on the first layer (default, release) or all layers")
-    kv.add_argument("--trigger", choices=["length", "newline"], help="also compress at line ends (default length)")
-    kv.add_argument("--kernel", type=int, help="snapkv/rkv pooling kernel (odd; default 7)")
-    kv.add_argument("--pool", choices=["max", "avg"], help="snapkv/rkv pooling (default max)")
-    kv.add_argument("--gqa-pool", choices=["max", "mean"], help="snapkv/rkv over a KV head's queries (default max)")
-    kv.add_argument("--lam", type=float, help="rkv importance weight (default 0.1)")
-    kv.add_argument("--similarity-threshold", type=float, help="rkv near-duplicate threshold (default 0.5)")
-    p.add_argument("--samples", type=int, default=1, help="samples per problem (k)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (then --samples must be 1)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    p.add_argument("--reward", default="math", help="reward type used as the correctness check (math | exact_answer)")
-    p.add_argument("--max-total-tokens", type=int, default=16384,
-                   help="engine KV pool size in tokens (SGLang's own CPU default takes most of the RAM)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for results.json and accuracy.png (default runs/eval/<time>)")
-    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out); 'none' to skip")
-    p.add_argument("--experiment", default="evaluate")
-    p.add_argument("--run-name", default=None)
-    args = p.parse_args(argv)
-    if args.temperature == 0.0 and args.samples != 1:
-        p.error("--samples > 1 needs --temperature > 0 (greedy decoding gives one answer)")
-    return args
-
-
 KV_FIELDS = ("interval", "window", "sink", "selection", "shared_scores", "trigger", "kernel", "pool", "gqa_pool", "lam",
              "similarity_threshold")
+BUDGET_FIELDS = ("sink", "window")  # derived from each setting's budget without --config or their flags
+# sparse_rl_mega.learner.checkpoint.MARKER (not imported: that module imports Megatron)
+CHECKPOINT_MARKER = "sparse_rl_mega.json"
+# SGLang 0.5.23 takes a model's context length from the first of these config.json keys, 2048 without
+# any (srt/utils/hf_transformers/common.py: get_context_length)
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+class UsageError(ValueError):
+    """A problem with the command line: printed as one ``evaluate.py: error:`` line, exit status 2."""
 
 
 def default_kv():
-    """The KV fields without --config: the run config's defaults, compressing every 16 decode steps."""
+    """The KV fields without --config: the run config's defaults, compressing every 16 decode steps
+    (sink and window are then derived from each budget: :func:`budget_defaults`)."""
     from sparse_rl_mega.config import KVCompressionConfig
 
     return KVCompressionConfig(interval=16)
 
 
+def budget_defaults(budget: int) -> dict:
+    """``{"sink", "window"}`` of a ``POLICY:BUDGET`` setting when neither --config nor a flag gives them:
+    the defaults (4 and 8) from budget 32 on, smaller below. Every budget >= 2 then runs, as the policies
+    need window >= 1 and budget > sink + window: window = min(8, B // 4) but at least 1, sink =
+    min(4, B // 8), so sink + window <= 3B/8 (1 for B < 4)."""
+    base = default_kv()
+    return {"window": max(1, min(base.window, budget // 4)), "sink": min(base.sink, budget // 8)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    base = default_kv()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="HF model folder, or a training checkpoint (iter_* or a checkpoints folder)")
+    p.add_argument("--benchmarks", required=True, help="comma-separated jsonl paths or names in --data-dir")
+    p.add_argument("--data-dir", default=str(ROOT / "runs" / "data"),
+                   help="where names are looked up (default: %(default)s)")
+    p.add_argument("--kv", default="none",
+                   help="comma-separated KV settings: none | POLICY:BUDGET (e.g. rkv:64) | rollout (--config's own) "
+                        "(default: %(default)s)")
+    p.add_argument("--config", default=None, help="a run config: the KV fields of its rollout.kv_compression")
+    kv = p.add_argument_group(
+        "KV fields of every POLICY:BUDGET setting",
+        "default: --config's rollout.kv_compression, else the values shown; a flag always wins.\n"
+        f"Without --config sink and window follow the budget B: window = min({base.window}, B // 4)\n"
+        f"(at least 1), sink = min({base.sink}, B // 8), so that any budget >= 2 runs.")
+    kv.add_argument("--interval", type=int, help=f"decode steps between compressions (N; default {base.interval})")
+    kv.add_argument("--window", type=int,
+                    help=f"recent window / scoring queries (w; default min({base.window}, B // 4))")
+    kv.add_argument("--sink", type=int,
+                    help=f"first tokens always kept (default min({base.sink}, B // 8); the published R-KV/SnapKV: 0)")
+    kv.add_argument("--selection", choices=["per_layer", "per_head", "shared"],
+                    help=f"a kept set per layer, per KV head, or one for every layer (the paper's release; "
+                         f"default {base.selection})")
+    kv.add_argument("--shared-scores", choices=["first_layer", "layer_sum"],
+                    help=f"shared selection scored on the first layer (release) or all layers "
+                         f"(default {base.shared_scores})")
+    kv.add_argument("--trigger", choices=["length", "newline"],
+                    help=f"also compress at line ends (default {base.trigger})")
+    kv.add_argument("--kernel", type=int, help=f"snapkv/rkv pooling kernel (odd; default {base.kernel})")
+    kv.add_argument("--pool", choices=["max", "avg"], help=f"snapkv/rkv pooling (default {base.pool})")
+    kv.add_argument("--gqa-pool", choices=["max", "mean"],
+                    help=f"snapkv/rkv over a KV head's queries (default {base.gqa_pool})")
+    kv.add_argument("--lam", type=float, help=f"rkv importance weight (default {base.lam})")
+    kv.add_argument("--similarity-threshold", type=float,
+                    help=f"rkv near-duplicate threshold (default {base.similarity_threshold})")
+    p.add_argument("--samples", type=int, default=1, help="samples per problem (k; default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (then --samples must be 1) (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="response length limit, capped to the model's positions minus the longest prompt "
+                        "(default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (default: all)")
+    p.add_argument("--reward", default="math", choices=["math", "exact_answer"],
+                   help="reward type used as the correctness check (default: %(default)s)")
+    p.add_argument("--max-total-tokens", type=int, default=16384,
+                   help="engine KV pool size in tokens (SGLang's own CPU default takes most of the RAM; "
+                        "default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--out", default=None, help="folder for results.json and accuracy.png (default runs/eval/<time>)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out); 'none' to skip")
+    p.add_argument("--experiment", default="evaluate", help="MLflow experiment (default: %(default)s)")
+    p.add_argument("--run-name", default=None)
+    return p.parse_args(argv)
+
+
+def check_numbers(args) -> None:
+    """Raise UsageError naming the first numeric flag out of its range."""
+    checks = [
+        (args.samples >= 1, "--samples", f"must be >= 1, got {args.samples}"),
+        (args.temperature >= 0.0, "--temperature", f"must be >= 0 (0: greedy), got {args.temperature}"),
+        (args.temperature > 0.0 or args.samples == 1, "--samples",
+         f"{args.samples} needs --temperature > 0 (greedy decoding gives one answer)"),
+        (0.0 < args.top_p <= 1.0, "--top-p", f"must be in (0, 1], got {args.top_p}"),
+        (args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}"),
+        (args.limit is None or args.limit >= 1, "--limit", f"must be >= 1, got {args.limit}"),
+        (args.max_total_tokens >= 1, "--max-total-tokens", f"must be >= 1, got {args.max_total_tokens}"),
+        (args.interval is None or args.interval >= 1, "--interval", f"must be >= 1, got {args.interval}"),
+    ]
+    for ok, flag, problem in checks:
+        if not ok:
+            raise UsageError(f"{flag}: {problem}")
+
+
 def kv_base(args):
     """The KVCompressionConfig every ``POLICY:BUDGET`` setting takes its other fields from."""
-    import dataclasses
-
     from sparse_rl_mega.config import load_config_or_exit
 
     base = load_config_or_exit(args.config).rollout.kv_compression if args.config else default_kv()
     return dataclasses.replace(base, **{f: getattr(args, f) for f in KV_FIELDS if getattr(args, f) is not None})
 
 
-def parse_kv(spec: str, base=None) -> list[tuple[str, dict]]:
+def derived_fields(args) -> tuple[str, ...]:
+    """The fields of BUDGET_FIELDS each ``POLICY:BUDGET`` setting derives from its budget: those without
+    a flag, and none with --config (a run's settings are taken as they are)."""
+    return () if args.config else tuple(f for f in BUDGET_FIELDS if getattr(args, f) is None)
+
+
+def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
     """``none,rkv:64`` -> ``[("dense", {"policy": "none"}), ("rkv:64", {"policy": "rkv", "budget": 64, ...})]``
-    (each compressed setting with every other field of ``base``, a KVCompressionConfig), checked as the
-    engine will check it. Exits with one line naming the bad setting."""
+    (each compressed setting with every other field of ``base``, a KVCompressionConfig, except the
+    ``derived`` fields, which follow its budget: :func:`budget_defaults`), checked as the engine will
+    check it. Raises UsageError naming the bad setting."""
     from sglang_patches.settings import EngineKVSettings
     from sparse_rl_mega.evaluation import parse_kv_variants
     from sparse_rl_mega.rollout.engine import check_request_kv
@@ -113,20 +177,107 @@ def parse_kv(spec: str, base=None) -> list[tuple[str, dict]]:
     try:
         variants = parse_kv_variants(spec, base)
     except ValueError as exc:
-        raise SystemExit(f"--kv: {exc}") from None
+        raise UsageError(f"--kv: {exc}") from None
     engine = EngineKVSettings.from_config(base)
     for label, override in variants:
+        if override is not None and "budget" in override:
+            override.update({f: v for f, v in budget_defaults(override["budget"]).items() if f in derived})
         try:
             check_request_kv(engine, override)
         except (ValueError, TypeError) as exc:
-            raise SystemExit(f"--kv {label}: {exc}") from None
+            raise UsageError(f"--kv {label}: {exc}{kv_fix(override or dataclasses.asdict(base))}") from None
     return variants
+
+
+def kv_fix(setting: dict) -> str:
+    """What to change in a KV ``setting`` (a request's fields) that the engine refused."""
+    if setting["budget"] <= setting["sink"] + setting["window"]:
+        return (f" (sink {setting['sink']}, window {setting['window']}): use a larger budget or a smaller "
+                "--sink / --window")
+    return ": fix that KV flag (or its --config field)"
+
+
+def model_kind(model: str) -> str:
+    """``"hf"`` for an HF model folder (config.json), ``"checkpoint"`` for a training checkpoint (an
+    ``iter_*`` folder holding its marker, or a folder of them); raises UsageError otherwise."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / CHECKPOINT_MARKER).is_file() or any(path.glob(f"iter_*/{CHECKPOINT_MARKER}")):
+        return "checkpoint"
+    if not path.exists():
+        raise UsageError(f"MODEL {model}: no such folder")
+    raise UsageError(f"MODEL {model}: neither an HF model folder (no config.json) nor a training checkpoint "
+                     f"(no {CHECKPOINT_MARKER} in it or in an iter_* folder under it)")
+
+
+def missing_benchmark_hint(name: str, data_dir: Path) -> str:
+    """How to make the benchmark ``name`` that is not in ``data_dir``: the prepare_data.py command."""
+    from tools.prepare_data import DEFAULT_OUT, SOURCES
+
+    source, easy = (name[:-len("_easy")], " --easy") if name.endswith("_easy") else (name, "")
+    out = "" if data_dir.resolve() == DEFAULT_OUT.resolve() else f" --out {data_dir}"
+    if source in SOURCES:
+        return f"make it with: python tools/prepare_data.py --benchmarks {source}{easy}{out}"
+    return (f"tools/prepare_data.py makes {', '.join(SOURCES)} (and NAME_easy with --easy); "
+            "or give a .jsonl path")
+
+
+def one_line(message: str) -> str:
+    """A message with a list under its first line (a DataError's bad rows) as one line: the list's
+    items joined by '; '."""
+    first, *items = message.splitlines()
+    return " ".join([first, "; ".join(item.strip() for item in items)]) if items else first
+
+
+def load_benchmarks(names: str, data_dir: Path, limit) -> dict:
+    """``{name: records}`` (the first ``limit`` of each); raises UsageError naming a benchmark that is
+    missing, unreadable or holds bad rows."""
+    from sparse_rl_mega.data.jsonl import DataError, PromptDataset
+
+    out = {}
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        path = Path(name) if name.endswith(".jsonl") else data_dir / f"{name}.jsonl"
+        if not path.is_file():
+            hint = "give an existing .jsonl file" if name.endswith(".jsonl") else missing_benchmark_hint(name, data_dir)
+            raise UsageError(f"--benchmarks {name}: {path} not found ({hint})")
+        try:
+            records = PromptDataset(path).records
+        except OSError as exc:
+            raise UsageError(f"--benchmarks {name}: cannot read {path} ({exc.strerror})") from None
+        except DataError as exc:
+            raise UsageError(f"--benchmarks {name}: {one_line(str(exc))}") from None
+        out[path.stem] = records[:limit] if limit else records
+    if not out:
+        raise UsageError("--benchmarks: no benchmark given")
+    return out
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What the command line names, checked: the engine's KV settings (a KVCompressionConfig), the KV
+    settings to evaluate (:func:`parse_kv`) and the benchmarks' records."""
+    base: object
+    variants: list
+    benchmarks: dict
+
+
+def check_inputs(args) -> Inputs:
+    """Everything that can be checked without an engine, cheapest first (torch is imported for the KV
+    check); raises UsageError on the first problem."""
+    check_numbers(args)
+    if not args.config and "rollout" in [item.strip() for item in args.kv.split(",")]:
+        raise UsageError("--kv rollout: names the KV setting of --config's run; give --config RUN.yaml")
+    model_kind(args.model)
+    benchmarks = load_benchmarks(args.benchmarks, Path(args.data_dir), args.limit)
+    base = kv_base(args)
+    return Inputs(base, parse_kv(args.kv, base, derived_fields(args)), benchmarks)
 
 
 def resolve_model(model: str, workdir: Path) -> Path:
     """An HF folder as is; a training checkpoint exported to ``workdir/hf`` first."""
     path = Path(model)
-    if (path / "config.json").is_file():
+    if model_kind(model) == "hf":
         return path
     out = workdir / "hf"
     print(f"[evaluate] {model} is not an HF folder: exporting it with tools/export_hf.py ...", flush=True)
@@ -136,32 +287,83 @@ def resolve_model(model: str, workdir: Path) -> Path:
     return out
 
 
-def load_benchmarks(names: str, data_dir: Path, limit) -> dict:
-    from sparse_rl_mega.data.jsonl import PromptDataset
-
-    out = {}
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-        path = Path(name) if name.endswith(".jsonl") else data_dir / f"{name}.jsonl"
-        if not path.is_file():
-            hint = "" if name.endswith(".jsonl") else " (make it with: python tools/prepare_data.py --benchmarks NAME)"
-            raise SystemExit(f"[evaluate] benchmark {name}: {path} not found{hint}")
-        records = PromptDataset(path).records
-        out[path.stem] = records[:limit] if limit else records
-    return out
+def context_length(model_dir: Path) -> int:
+    """The context length SGLang serves the model in ``model_dir`` with, read as its get_context_length
+    reads it: the first of CONTEXT_LENGTH_KEYS in config.json (2048 without any), times a RoPE
+    scaling factor where SGLang applies one."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # (transformers 5 serves one as the other)
+    scaled = "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3"
+    factor = rope.get("factor", 1) if scaled else 1
+    value = next((hf[key] for key in CONTEXT_LENGTH_KEYS if hf.get(key) is not None), 2048)
+    return int(factor * value)
 
 
-def evaluate(model_dir: Path, benchmarks: dict, variants: list, base, args, log=print) -> dict:
-    """Decode every benchmark under every KV setting on one engine (started with ``base``'s settings,
-    a KVCompressionConfig, taking any other per request); returns nested results."""
-    from transformers import AutoTokenizer
+def response_room(positions: int, prompt_tokens: int) -> int:
+    """The most tokens SGLang 0.5.23 generates after a prompt of ``prompt_tokens`` when a request may
+    hold ``positions`` tokens (the model's context length, or the KV pool if smaller); 0 when it
+    refuses the prompt. Its scheduler takes ``max_req_len = positions - 1``, refuses a prompt of
+    ``max_req_len - 5`` tokens or more (managers/utils.py: validate_input_length) and cuts
+    max_new_tokens to ``max_req_len - prompt - 1`` (Scheduler, before admission); the tokenizer
+    manager's own check (prompt + max_new_tokens <= context length) is looser. Measured at each
+    bound on the tiny model, context 512 and a 300-token pool."""
+    max_req_len = positions - 1
+    if prompt_tokens >= max_req_len - 5:
+        return 0
+    return max_req_len - 1 - prompt_tokens
 
-    from sparse_rl_mega.config import RewardConfig
+
+def fit_max_new_tokens(requested: int, context: int, pool: int, longest: tuple[int, str], log=print) -> int:
+    """``requested`` capped (with a one-line notice) to what SGLang generates after the longest prompt,
+    ``longest`` = ``(tokens, "file:line")``, on a model of ``context`` positions with a KV pool of
+    ``pool`` slots (:func:`response_room`); raises UsageError when SGLang would refuse that prompt."""
+    tokens, where = longest
+    positions = min(context, pool)
+    limit = (f"the model has {context} positions" if context <= pool
+             else f"the KV pool (--max-total-tokens) has {pool} slots")
+    room = response_room(positions, tokens)
+    if room < 1:
+        raise UsageError(f"--benchmarks: the longest prompt ({where}) has {tokens} tokens and {limit}: SGLang "
+                         f"takes prompts of at most {positions - 7} (leave the longer prompts out)")
+    if requested > room:
+        log(f"[evaluate] --max-new-tokens {requested} capped to {room}: {limit} and the longest prompt has "
+            f"{tokens} tokens (SGLang generates at most positions - prompt - 2)")
+    return min(requested, room)
+
+
+def counted_longest(model_dir: Path, benchmarks: dict) -> tuple[int, str]:
+    """``(tokens, "file:line")`` of the longest prompt, counted as the engine will receive it with the
+    model's tokenizer.json (no transformers, no torch: preflight.PromptTokenCounter)."""
+    from sparse_rl_mega.preflight import PromptTokenCounter
+
+    counter = PromptTokenCounter(model_dir)
+    return max(counter.longest([r.prompt for r in records], [r.source for r in records])
+               for records in benchmarks.values())
+
+
+def encode_benchmarks(tokenizer, benchmarks: dict) -> dict:
+    """``{benchmark: [prompt token ids, ...]}``, as the engine is sent them."""
     from sparse_rl_mega.data.formatting import encode_prompt
+
+    return {bench: [encode_prompt(tokenizer, r.prompt) for r in records] for bench, records in benchmarks.items()}
+
+
+def encoded_longest(prompts: dict, benchmarks: dict) -> tuple[int, str]:
+    """``(tokens, "file:line")`` of the longest of the encoded ``prompts`` (:func:`encode_benchmarks`)."""
+    return max(((len(ids), record.source) for bench, records in benchmarks.items()
+                for ids, record in zip(prompts[bench], records)), key=lambda found: found[0])
+
+
+def evaluate(model_dir: Path, tokenizer, prompts: dict, benchmarks: dict, variants: list, base, args,
+             log=print) -> dict:
+    """Decode every benchmark (``prompts``: token ids, ``benchmarks``: the records with their labels)
+    under every KV setting on one engine (started with ``base``'s settings, a KVCompressionConfig,
+    taking any other per request); returns nested results."""
+    from sparse_rl_mega.config import RewardConfig
     from sparse_rl_mega.evaluation import evaluate_on_engine
     from sparse_rl_mega.reward import build_scorer
     from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     settings = engine_kv_settings(base, tokenizer)
     settings.allow_request_override = True
     started = time.perf_counter()
@@ -172,9 +374,9 @@ def evaluate(model_dir: Path, benchmarks: dict, variants: list, base, args, log=
         with build_scorer(RewardConfig(type=args.reward)) as scorer:
             for bench, records in benchmarks.items():
                 results[bench] = evaluate_on_engine(
-                    engine, [encode_prompt(tokenizer, r.prompt) for r in records], [r.label for r in records],
-                    scorer, variants, n_samples=args.samples, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, log=log, name=f"evaluate {bench}")
+                    engine, prompts[bench], [r.label for r in records], scorer, variants, n_samples=args.samples,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    seed=args.seed, log=log, name=f"evaluate {bench}")
     finally:
         engine.shutdown()
     return results
@@ -235,27 +437,46 @@ def log_to_mlflow(results: dict, args, out: Path) -> None:
             mlflow.log_artifact(str(out / "accuracy.png"))
 
 
-def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
-
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
-    args = parse_args(argv)
-    base = kv_base(args)
-    variants = parse_kv(args.kv, base)
+def run(args, inputs: Inputs) -> Path:
+    """Evaluate the checked ``inputs``; returns the folder of results.json and accuracy.png."""
     from sparse_rl_mega.rollout.engine import preload_cpu_engines
 
-    preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)
     out = Path(args.out or ROOT / "runs" / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    benchmarks = load_benchmarks(args.benchmarks, Path(args.data_dir), args.limit)
     with tempfile.TemporaryDirectory(prefix="evaluate-", dir=out) as workdir:
         model_dir = resolve_model(args.model, Path(workdir))
-        results = evaluate(model_dir, benchmarks, variants, base, args)
+        context, pool = context_length(model_dir), args.max_total_tokens
+        # before SGLang is imported (seconds): a prompt too long for the model fails at once
+        args.max_new_tokens = fit_max_new_tokens(args.max_new_tokens, context, pool,
+                                                 counted_longest(model_dir, inputs.benchmarks))
+        preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        prompts = encode_benchmarks(tokenizer, inputs.benchmarks)
+        # the ids the engine is sent: a second notice only if they are longer than counted
+        args.max_new_tokens = fit_max_new_tokens(args.max_new_tokens, context, pool,
+                                                 encoded_longest(prompts, inputs.benchmarks))
+        results = evaluate(model_dir, tokenizer, prompts, inputs.benchmarks, inputs.variants, inputs.base, args)
+    # the capped --max-new-tokens is what results.json records
     (out / "results.json").write_text(json.dumps({"model": args.model, "args": vars(args), "results": results},
                                                  indent=2))
     plot(results, args.samples, out / "accuracy.png")
     log_to_mlflow(results, args, out)
     print(table(results, args.samples))
+    return out
+
+
+def main(argv=None) -> int:
+    from sparse_rl_mega.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    args = parse_args(argv)
+    try:
+        out = run(args, check_inputs(args))
+    except UsageError as exc:
+        print(f"evaluate.py: error: {exc}", file=sys.stderr)
+        return 2
     print(f"[evaluate] results in {out} (results.json, accuracy.png)")
     return 0
 

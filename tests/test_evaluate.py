@@ -170,7 +170,8 @@ def test_a_bad_command_line_fails_in_one_line_before_any_engine(no_engine, fake_
     model, bench = fake_inputs
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no label"}\n')
     names = {"model": model, "bench": bench, "tmp": tmp_path}
-    code = evaluate.main([arg.format(**names) for arg in argv] + ["--data-dir", str(tmp_path)])
+    code = evaluate.main([arg.format(**names) for arg in argv] + ["--data-dir", str(tmp_path),
+                                                                  "--out", str(tmp_path / "out")])
     out, err = capsys.readouterr()
     assert code == 2 and out == "", (code, out)
     assert len(err.splitlines()) == 1 and err.startswith("evaluate.py: error: "), err

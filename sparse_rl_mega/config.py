@@ -630,9 +630,10 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
                  f"(parallel.nproc_per_node={p.nproc_per_node})")
     _require(d.prompts_per_iteration % r.num_engines == 0, source, "data.prompts_per_iteration",
              f"{d.prompts_per_iteration} prompts cannot be shared equally by rollout.num_engines={r.num_engines}")
-    _require(r.max_new_tokens < a.max_position_embeddings, source, "rollout.max_new_tokens",
-             f"{r.max_new_tokens} leaves no room for a prompt in the model's {a.max_position_embeddings} positions "
-             "(model.arch.max_position_embeddings): SGLang refuses prompt + max_new_tokens beyond them")
+    most = a.max_position_embeddings - 3  # after a one-token prompt (preflight.response_room: positions - prompt - 2)
+    _require(r.max_new_tokens <= most, source, "rollout.max_new_tokens",
+             f"{r.max_new_tokens} does not fit the model's {a.max_position_embeddings} positions "
+             f"(model.arch.max_position_embeddings): SGLang generates at most {most}, after a one-token prompt")
     _require(r.max_staleness >= 0, source, "rollout.max_staleness",
              f"must be >= 0 (0: no overlap; K: samples at most K weight versions old), got {r.max_staleness}")
     _require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
@@ -739,9 +740,9 @@ def _validate_eval(cfg: RunConfig, source: str) -> None:
     _require(e.max_new_tokens is None or e.max_new_tokens > 0, source, "eval.max_new_tokens",
              f"must be > 0 or null, got {e.max_new_tokens}")
     positions = cfg.model.arch.max_position_embeddings
-    _require(e.max_new_tokens is None or e.max_new_tokens < positions, source, "eval.max_new_tokens",
-             f"{e.max_new_tokens} leaves no room for a prompt in the model's {positions} positions "
-             "(model.arch.max_position_embeddings)")
+    _require(e.max_new_tokens is None or e.max_new_tokens <= positions - 3, source, "eval.max_new_tokens",
+             f"{e.max_new_tokens} does not fit the model's {positions} positions (model.arch.max_position_embeddings): "
+             f"SGLang generates at most {positions - 3}, after a one-token prompt")
     from sparse_rl_mega.evaluation import parse_kv_variants
 
     try:

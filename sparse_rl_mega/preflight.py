@@ -5,8 +5,8 @@
 * the data files (``data.train_path``, ``eval.path``): they exist, are UTF-8 jsonl, every row is valid
   and no prompt is blank (file and line named);
 * the model folder: config.json, weights and a tokenizer (unless ``model.create_tiny`` builds it);
-* lengths: the longest prompt plus ``max_new_tokens`` fits the model's positions, as SGLang demands
-  (prompt + new tokens <= its context length), for the rollouts and the held-out evaluation;
+* lengths: the longest prompt plus ``max_new_tokens`` fits what SGLang generates on the model
+  (:func:`response_room`: positions - prompt - 2), for the rollouts and the held-out evaluation;
 * under torchrun, the processes it started against the config's ``parallel`` section.
 
 ``tools/launch.py`` runs it before it starts anything (every failure one line naming the key or file,
@@ -109,12 +109,30 @@ def load_datasets(cfg: RunConfig, report: Preflight, absent, model_ready: bool) 
     return datasets
 
 
+def response_room(positions: int, prompt_tokens: int) -> int:
+    """The most tokens SGLang 0.5.23 generates after a prompt of ``prompt_tokens`` when a request may
+    hold ``positions`` tokens (the model's context length, or the KV pool if smaller); 0 when it refuses
+    the prompt. Its scheduler takes ``max_req_len = positions - 1`` (managers/tp_worker.py), refuses a
+    prompt of ``max_req_len - 5`` tokens or more (managers/utils.py: validate_input_length) and cuts
+    max_new_tokens to ``max_req_len - prompt - 1`` without a word (Scheduler, before admission); the
+    tokenizer manager's own check (prompt + max_new_tokens <= context length) is looser. Measured at
+    each bound on the tiny model (context 512, and a 300-slot pool): tests/test_evaluate.py."""
+    max_req_len = positions - 1
+    if prompt_tokens >= max_req_len - 5:
+        return 0
+    return max_req_len - 1 - prompt_tokens
+
+
 def length_problems(cfg: RunConfig, datasets: dict) -> list[str]:
-    """The longest prompt + ``max_new_tokens`` against the model's positions, for each setting of
+    """The longest prompt + ``max_new_tokens`` against what SGLang generates on this model (its positions,
+    or the KV pool ``rollout.max_total_tokens`` if smaller: :func:`response_room`), for each setting of
     ``max_new_tokens`` (the held-out set's is the rollout's unless ``eval.max_new_tokens`` is set):
-    SGLang refuses a request whose prompt + max_new_tokens exceeds its context length."""
+    beyond it SGLang cuts responses short without a word, or refuses the prompt."""
     counter = PromptTokenCounter(cfg.model.path)
-    positions = cfg.model.arch.max_position_embeddings
+    context, pool = cfg.model.arch.max_position_embeddings, cfg.rollout.max_total_tokens
+    positions = min(context, pool) if pool else context
+    limit = (f"the model's {context} positions (model.arch.max_position_embeddings)" if positions == context
+             else f"the KV pool's {pool} slots (rollout.max_total_tokens)")
     settings = {"data.train_path": ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)}
     if cfg.eval.max_new_tokens is not None:
         settings["eval.path"] = ("eval.max_new_tokens", cfg.eval.max_new_tokens)
@@ -125,11 +143,13 @@ def length_problems(cfg: RunConfig, datasets: dict) -> list[str]:
         longest[setting] = max(longest.get(setting, found), found)
     problems = []
     for (key, new_tokens), (tokens, where) in longest.items():
-        if tokens + new_tokens > positions:
-            room = positions - tokens
-            fix = f"at most {room} fit" if room > 0 else "the prompt alone does not fit: shorten it"
-            problems.append(f"{key}: {new_tokens} new tokens after the longest prompt ({tokens} tokens, {where}) exceed "
-                            f"the model's {positions} positions (model.arch.max_position_embeddings); {fix}")
+        room = response_room(positions, tokens)
+        if room < 1:
+            problems.append(f"{key.split('.')[0]}: the longest prompt ({tokens} tokens, {where}) does not fit {limit}: "
+                            f"SGLang takes prompts of at most {positions - 7} tokens")
+        elif new_tokens > room:
+            problems.append(f"{key}: {new_tokens} new tokens do not fit after the longest prompt ({tokens} tokens, "
+                            f"{where}) in {limit}: SGLang generates at most {room} (positions - prompt - 2)")
     return problems
 
 

@@ -56,6 +56,29 @@ def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
     assert "Task was destroyed" not in output  # the engine's event loop is closed at shut-down
 
 
+def test_console_says_where_things_went(e2e_run):
+    """An ETA on every iteration line but the last, one line per saved checkpoint, the total at the end,
+    the MLflow run named after what ran and how to open it; no weight-loading bar for a one-file model."""
+    import re
+
+    from tests.conftest import ROOT
+
+    run_dir, proc = e2e_run
+    took = r"(?:\d+ s|\d+m \d\ds|\d+h \d\dm)"  # trainer.duration
+    iterations = re.findall(rf"^\[iter (\d)/3\] .*\| [\d.]+ s( \| ETA {took})?$", proc.stdout, re.MULTILINE)
+    assert [(i, bool(eta)) for i, eta in iterations] == [("1", True), ("2", True), ("3", False)], proc.stdout[-3000:]
+    for iteration in (1, 2, 3):
+        assert re.search(rf"^\[checkpoint\] iteration {iteration} saved in [\d.]+ s: .*{run_dir}/checkpoints/"
+                         rf"iter_000000{iteration}$", proc.stdout, re.MULTILINE), proc.stdout[-3000:]
+    assert re.search(rf"^\[done\] 3 iteration\(s\) in {took} \({took} since launch\); run folder {run_dir}$",
+                     proc.stdout, re.MULTILINE), proc.stdout[-3000:]
+    assert (f"[done] MLflow run 'e2e-rkv12-sparse_rl': make -C {ROOT} mlflow-ui RUN={run_dir}, then open "
+            "http://127.0.0.1:5000") in proc.stdout
+    client, run, _ = _run(e2e_run)
+    assert run.info.run_name == "e2e-rkv12-sparse_rl"
+    assert "loading shards" not in proc.stdout + proc.stderr
+
+
 def test_eviction_was_active_during_rollouts(e2e_run):
     client, run, _ = _run(e2e_run)
     evicted = [m.value for m in client.get_metric_history(run.info.run_id, "kv/evicted_tokens")]

@@ -11,6 +11,7 @@ import pytest
 from sparse_rl_mega.tracking import default_tracking_uri
 from tests.conftest import ROOT, TRAIN_DATA, greedy_correct, run_tool
 from sparse_rl_mega.evaluation import pass_at_k
+from sparse_rl_mega.preflight import response_room
 from tools import evaluate
 from tools.evaluate import UsageError, parse_kv
 
@@ -217,8 +218,8 @@ def test_max_new_tokens_is_capped_to_what_sglang_generates(tmp_path):
     config.write_text(json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}))
     assert evaluate.context_length(tmp_path) == 2048
 
-    assert [evaluate.response_room(512, n) for n in (500, 505, 506, 512)] == [10, 5, 0, 0]
-    assert [evaluate.response_room(300, n) for n in (290, 293, 294)] == [8, 5, 0]
+    assert [response_room(512, n) for n in (500, 505, 506, 512)] == [10, 5, 0, 0]
+    assert [response_room(300, n) for n in (290, 293, 294)] == [8, 5, 0]
     lines = []
     assert evaluate.fit_max_new_tokens(512, 512, 16384, (9, "a.jsonl:3"), lines.append) == 501
     assert lines == ["[evaluate] --max-new-tokens 512 capped to 501: the model has 512 positions and the longest "

@@ -165,8 +165,10 @@ def test_prompt_tokens_are_counted_as_the_engine_receives_them(tmp_path):
     assert counter.longest(["w1", "w1 w2 w3", "w2"], ["a:1", "a:2", "a:3"]) == (4, "a:2")
 
 
-def test_max_new_tokens_must_fit_the_positions_after_the_longest_prompt(tmp_path):
-    """SGLang accepts prompt + max_new_tokens <= its context length (the positions): exactly that passes."""
+def test_max_new_tokens_must_fit_what_sglang_generates_after_the_longest_prompt(tmp_path):
+    """SGLang 0.5.23 generates at most positions - prompt - 2 tokens (more are cut without a word) and
+    refuses prompts of positions - 6 tokens or more (preflight.response_room, measured in
+    tests/test_evaluate.py): exactly that much passes, one more token fails naming the key."""
     positions = 64
     folder = _tokenizer_folder(tmp_path / "model", positions=positions)
     data = tmp_path / "train.jsonl"
@@ -177,20 +179,30 @@ def test_max_new_tokens_must_fit_the_positions_after_the_longest_prompt(tmp_path
                 vocab_size=384, max_position_embeddings=positions)
     path = _variant(tmp_path, lambda raw: (raw["model"].update(path=str(folder), arch=arch, create_tiny=None),
                                            raw["data"].update(train_path=str(data))))
-    fits = positions - longest
+    fits = positions - longest - 2
     assert preflight(load_config(path, [f"rollout.max_new_tokens={fits}"])).problems == []
     assert preflight(load_config(path, [f"rollout.max_new_tokens={fits + 1}"])).problems == [
-        f"rollout.max_new_tokens: {fits + 1} new tokens after the longest prompt ({longest} tokens, {data}:2) exceed the "
-        f"model's {positions} positions (model.arch.max_position_embeddings); at most {fits} fit"]
+        f"rollout.max_new_tokens: {fits + 1} new tokens do not fit after the longest prompt ({longest} tokens, {data}:2) "
+        f"in the model's {positions} positions (model.arch.max_position_embeddings): SGLang generates at most {fits} "
+        "(positions - prompt - 2)"]
+    # a smaller KV pool bounds a request too
+    pool = [f"rollout.max_total_tokens={positions - 4}", f"rollout.max_new_tokens={fits}"]
+    assert "in the KV pool's 60 slots (rollout.max_total_tokens): SGLang generates at most 37" in \
+        preflight(load_config(path, pool)).problems[0]
     evaluated = [f"eval.path={data}", "eval.n_samples=1", "eval.temperature=0", "rollout.max_new_tokens=8"]
     assert preflight(load_config(path, evaluated + [f"eval.max_new_tokens={fits}"])).problems == []
     problems = preflight(load_config(path, evaluated + [f"eval.max_new_tokens={fits + 1}"])).problems
     assert len(problems) == 1 and problems[0].startswith(f"eval.max_new_tokens: {fits + 1} new tokens"), problems
+    # a prompt SGLang refuses, whatever max_new_tokens
+    data.write_text(json.dumps({"prompt": " ".join(f"w{i % 40}" for i in range(positions - 7)), "label": "1"}) + "\n")
+    assert preflight(load_config(path, ["rollout.max_new_tokens=1"])).problems == [
+        f"rollout: the longest prompt ({positions - 6} tokens, {data}:1) does not fit the model's {positions} positions "
+        f"(model.arch.max_position_embeddings): SGLang takes prompts of at most {positions - 7} tokens"]
     # no room for any prompt: caught from the config alone (the model need not exist yet)
-    proc = _launch(_variant(tmp_path), "--dry-run", "--set", "rollout.max_new_tokens=600")
+    proc = _launch(_variant(tmp_path), "--dry-run", "--set", "rollout.max_new_tokens=510")
     assert proc.returncode == 2 and _error_lines(proc) == [
-        f"config error: {tmp_path / 'variant.yaml'}: rollout.max_new_tokens: 600 leaves no room for a prompt in the "
-        "model's 512 positions (model.arch.max_position_embeddings): SGLang refuses prompt + max_new_tokens beyond them"]
+        f"config error: {tmp_path / 'variant.yaml'}: rollout.max_new_tokens: 510 does not fit the model's 512 positions "
+        "(model.arch.max_position_embeddings): SGLang generates at most 509, after a one-token prompt"]
 
 
 # ----------------------------------------------------------------------------- torchrun's world

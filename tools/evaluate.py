@@ -299,28 +299,16 @@ def context_length(model_dir: Path) -> int:
     return int(factor * value)
 
 
-def response_room(positions: int, prompt_tokens: int) -> int:
-    """The most tokens SGLang 0.5.23 generates after a prompt of ``prompt_tokens`` when a request may
-    hold ``positions`` tokens (the model's context length, or the KV pool if smaller); 0 when it
-    refuses the prompt. Its scheduler takes ``max_req_len = positions - 1``, refuses a prompt of
-    ``max_req_len - 5`` tokens or more (managers/utils.py: validate_input_length) and cuts
-    max_new_tokens to ``max_req_len - prompt - 1`` (Scheduler, before admission); the tokenizer
-    manager's own check (prompt + max_new_tokens <= context length) is looser. Measured at each
-    bound on the tiny model, context 512 and a 300-token pool."""
-    max_req_len = positions - 1
-    if prompt_tokens >= max_req_len - 5:
-        return 0
-    return max_req_len - 1 - prompt_tokens
-
-
 def fit_max_new_tokens(requested: int, context: int, pool: int, longest: tuple[int, str], log=print) -> int:
     """``requested`` capped (with a one-line notice) to what SGLang generates after the longest prompt,
     ``longest`` = ``(tokens, "file:line")``, on a model of ``context`` positions with a KV pool of
-    ``pool`` slots (:func:`response_room`); raises UsageError when SGLang would refuse that prompt."""
+    ``pool`` slots (:func:`sparse_rl_mega.preflight.response_room`); raises UsageError when SGLang would refuse that prompt."""
     tokens, where = longest
     positions = min(context, pool)
     limit = (f"the model has {context} positions" if context <= pool
              else f"the KV pool (--max-total-tokens) has {pool} slots")
+    from sparse_rl_mega.preflight import response_room
+
     room = response_room(positions, tokens)
     if room < 1:
         raise UsageError(f"--benchmarks: the longest prompt ({where}) has {tokens} tokens and {limit}: SGLang "

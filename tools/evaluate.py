@@ -46,8 +46,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 KV_FIELDS = ("interval", "window", "sink", "selection", "shared_scores", "trigger", "kernel", "pool", "gqa_pool", "lam",
              "similarity_threshold")
 BUDGET_FIELDS = ("sink", "window")  # derived from each setting's budget without --config or their flags
-# sparse_rl_mega.learner.checkpoint.MARKER (not imported: that module imports Megatron)
-CHECKPOINT_MARKER = "sparse_rl_mega.json"
 # SGLang 0.5.23 takes a model's context length from the first of these config.json keys, 2048 without
 # any (srt/utils/hf_transformers/common.py: get_context_length)
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
@@ -200,15 +198,17 @@ def kv_fix(setting: dict) -> str:
 def model_kind(model: str) -> str:
     """``"hf"`` for an HF model folder (config.json), ``"checkpoint"`` for a training checkpoint (an
     ``iter_*`` folder holding its marker, or a folder of them); raises UsageError otherwise."""
+    from sparse_rl_mega.learner.checkpoint import MARKER  # (torch only: Megatron is imported when used)
+
     path = Path(model)
     if (path / "config.json").is_file():
         return "hf"
-    if (path / CHECKPOINT_MARKER).is_file() or any(path.glob(f"iter_*/{CHECKPOINT_MARKER}")):
+    if (path / MARKER).is_file() or any(path.glob(f"iter_*/{MARKER}")):
         return "checkpoint"
     if not path.exists():
         raise UsageError(f"MODEL {model}: no such folder")
     raise UsageError(f"MODEL {model}: neither an HF model folder (no config.json) nor a training checkpoint "
-                     f"(no {CHECKPOINT_MARKER} in it or in an iter_* folder under it)")
+                     f"(no {MARKER} in it or in an iter_* folder under it)")
 
 
 def missing_benchmark_hint(name: str, data_dir: Path) -> str:

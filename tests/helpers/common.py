@@ -58,7 +58,7 @@ def run_config(model_dir: str, tp: int, pp: int, group_size: int, global_batch: 
         "model": {"path": model_dir, "arch": arch_from_hf_config(model_dir)},
         "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": tp,
                      "pipeline_model_parallel_size": pp, **(parallel or {})},
-        "rollout": {"n_samples_per_prompt": group_size},
+        "rollout": {"n_samples_per_prompt": group_size, "max_new_tokens": 16},  # (no engine here)
         "data": {"train_path": "unused.jsonl", "prompts_per_iteration": global_batch // group_size},
         "algorithm": algorithm or {},
         "trainer": {"global_batch_size": global_batch, "micro_batch_size": micro_batch}})

@@ -118,7 +118,7 @@ def main() -> None:
         if fp8:
             model.update(fp8="hybrid", fp8_recipe=fp8)
         cfg = config_from_dict({"model": model, "parallel": {"nproc_per_node": 1},
-                                "rollout": {"n_samples_per_prompt": 2}, "data": {"train_path": "unused.jsonl",
+                                "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 16}, "data": {"train_path": "unused.jsonl",
                                 "prompts_per_iteration": 1}, "trainer": {"global_batch_size": 2, "micro_batch_size": 2}})
         learner = build_learner(cfg)
         load_hf_into_learner(learner, model_dir, cfg.model.arch)

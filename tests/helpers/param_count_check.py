@@ -32,7 +32,7 @@ def main() -> None:
             "model": {"path": "unused-model-folder", "arch": arch},
             "parallel": {"nproc_per_node": dist.get_world_size(), "tensor_model_parallel_size": args.tp,
                          "pipeline_model_parallel_size": args.pp},
-            "rollout": {"n_samples_per_prompt": 2},
+            "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 16},
             "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 2},
             "trainer": {"global_batch_size": 4, "micro_batch_size": 1}})
         model = build_model(cfg, initialize=False)

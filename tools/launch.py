@@ -7,14 +7,17 @@
   python tools/launch.py CONFIG --plan [--gpu-memory-gb 80] [--prompt-tokens 512]
                                                          validate, print the layout and per-GPU memory
 
-The config, its data files and the model folder are checked before any process starts; a problem is
-reported naming the key (file, rows) and what was expected, with exit status 2. --plan starts
+The config and the inputs it names are checked before any process starts (sparse_rl_mega/preflight.py:
+data rows, the model folder, prompt + max_new_tokens against what SGLang generates, torchrun's process
+count); a problem is reported naming the key (file, rows) and what was expected, with exit status 2.
+--dry-run checks the inputs present on this machine and lists the others. --plan starts
 nothing either (no process, no GPU): it prints the learner's and the engine's memory per GPU
 (sparse_rl_mega/planner.py) and exits 0 when everything fits, 3 when something does not.
 
 A failed job prints one line per failed rank (tracebacks: <run_dir>/logs/rank<R>.log) and one from
 the launcher (exit status 1); with --max-restarts N the launcher starts it again from its newest
-complete checkpoint, up to N times. A crashed or hung rollout engine is restarted inside the job
+complete checkpoint, up to N times. A stopped job (Ctrl-C, SIGTERM) names the checkpoint --resume
+would continue from, or says that there is none. A crashed or hung rollout engine is restarted inside the job
 (rollout.engine_timeout_s, rollout.max_engine_restarts). Every process of the job ends when the
 launcher ends, however it ends; the run folder is locked while the job runs (docs/reliability.md).
 """

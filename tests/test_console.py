@@ -68,8 +68,16 @@ def test_the_stop_line_names_the_checkpoint_resume_would_use(tmp_path):
 
 
 @pytest.mark.parametrize("shards, drawn", [(1, False), (2, True)])
-def test_sglang_draws_a_loading_bar_only_over_several_shards(shards, drawn, capsys):
+def test_sglang_draws_a_loading_bar_only_over_several_shards(shards, drawn, capsys, monkeypatch):
+    import threading
+
+    from tqdm.std import tqdm
+
     from sglang_patches.loading_bar import _BarOverShards
+
+    # a thread lock for the bars: tqdm's default makes a multiprocessing one, registered with this
+    # worker's resource tracker (which SGLang's engine processes avoid: rollout/forkserver.py)
+    monkeypatch.setattr(tqdm, "_lock", threading.RLock(), raising=False)
 
     files = [f"model-{i}.safetensors" for i in range(shards)]
     assert list(_BarOverShards(files, desc="Loading safetensors checkpoint shards")) == files

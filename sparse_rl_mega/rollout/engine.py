@@ -8,6 +8,7 @@ the plugin itself is loaded there through SGLang's entry point.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import signal
 import threading
@@ -295,6 +296,12 @@ class RolloutEngine:
             if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
                 forkserver.use_forkserver()
             self.engine = engine_class(**kwargs)
+        # SGLang's Engine registers its shutdown to run at exit, which SIGKILLs every descendant of this
+        # process: the reward workers, other engines, and multiprocessing's resource tracker, which the
+        # exit's own clean-up then finds dead ("process died unexpectedly", a KeyError from the new one).
+        # This engine's processes are ended by shutdown() / kill(), or die with this process
+        # (PR_SET_PDEATHSIG), so that handler goes
+        atexit.unregister(self.engine.shutdown)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size
         self.name, self.timeout_s = name, timeout_s

@@ -437,7 +437,7 @@ class Trainer:
                              "initial_model": cfg.model.path, "config": cfg.to_dict()}
                     saved = save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last,
                                             extra=extra, rank0_extra=self.rollouts.save)
-                log(f"[checkpoint] iteration {trained} saved in {timer.spans[-1][2] - timer.spans[-1][1]:.1f} s: {saved}")
+                saved_line = f"[checkpoint] iteration {trained} saved in {timer.seconds['checkpoint']:.1f} s: {saved}"
 
             if evaluating and eval_due:
                 with timer.phase("eval"):
@@ -454,6 +454,8 @@ class Trainer:
                 log(_progress_line(iteration, cfg.trainer.iterations, metrics) + (f" | ETA {duration(eta)}" if left else ""))
                 log(f"           example response: {example[:100]!r}" + (
                     "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
+                if checkpoint_due:
+                    log(saved_line)
         if evaluating and len(self.eval_history) > 1:
             log(self.eval_summary())
         trained = max(0, cfg.trainer.iterations - self.start_iteration)

@@ -846,7 +846,7 @@ def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
     hf_arch = arch_from_hf_config(cfg.model.path)
     a = cfg.model.arch
     for name in ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "vocab_size", "tie_word_embeddings"):
+                 "vocab_size", "tie_word_embeddings", "max_position_embeddings", "qkv_bias"):
         ours = getattr(a, name)
         _require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
                  f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
@@ -856,10 +856,6 @@ def _check_against_hf_config(cfg: RunConfig, source: str) -> None:
     _require(hf_head_dim is None or a.kv_channels == hf_head_dim, source, "model.arch.head_dim",
              f"heads of width {a.kv_channels} disagree with {hf_config} (heads of width {hf_head_dim}"
              + (")" if "head_dim" in hf_arch else " = hidden_size / num_attention_heads)"))
-    for name in ("max_position_embeddings", "qkv_bias"):
-        ours = getattr(a, name)
-        _require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
-                 f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
     for name in ("rope_theta", "norm_eps"):  # floats (HF may store 1e-5 as 9.99999974e-06)
         ours = getattr(a, name)
         _require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,

@@ -1,7 +1,7 @@
 # Two entry points; both build the pinned CPU venv (.venv) on first use.
 #   make demo   the CPU math demo end to end: SmolLM2-135M-Instruct learns single-digit sums with sparse
 #               (R-KV) rollouts, Megatron PP=2, held-out accuracy before/after, dense and sparse; MLflow
-#   make test   the test suite (7.5-8.5 min on 2 cores)
+#   make test   the test suite (4-12 min on 2 cores, with the machine's speed: docs/testing.md)
 #   make test-fast   the pure tests alone (tier 'unit': no engine, no torchrun; about a minute)
 #   make demo-tiny   the same loop on a tiny locally built model (about a minute)
 VENV ?= .venv

@@ -28,7 +28,6 @@ import time
 LAUNCHED_AT = time.time()  # start-up is counted from here (the workers get it through the environment)
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -120,11 +119,7 @@ def describe_arch(cfg: RunConfig) -> str:
             f"{a.max_position_embeddings} positions, rope_theta {a.rope_theta:g}, norm_eps {a.norm_eps:g}"
             + "".join(f", {f}" for f in features))
     read = cfg.arch_from_folder
-    if not read:
-        return text
-    every = len(read) >= len([f for f in dataclasses.fields(a) if f.name != "qkv_bias"])
-    return text + ("; model.arch read from its config.json" if every else
-                   f"; read from its config.json: {', '.join(read)}")
+    return text + (f"; read from its config.json: {', '.join(read)}" if read else "")
 
 
 def resume_hint(cfg: RunConfig) -> str:

@@ -7,7 +7,8 @@
 * the model folder: config.json, weights and a tokenizer (unless ``model.create_tiny`` builds it);
 * lengths: the longest prompt plus ``max_new_tokens`` fits what SGLang generates on the model
   (:func:`response_room`: positions - prompt - 2), for the rollouts and the held-out evaluation;
-* under torchrun, the processes it started against the config's ``parallel`` section.
+* under torchrun, the processes it started against the config's ``parallel`` section;
+* an MLflow tracking server (``tracking.tracking_uri``) answers.
 
 ``tools/launch.py`` runs it before it starts anything (every failure one line naming the key or file,
 exit status 2); ``--dry-run`` runs it on the inputs that exist on this machine and lists the others as
@@ -43,6 +44,10 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
         (report.not_here if dry_run else report.problems).append(f"{key}: {what}")
 
     report.problems += world_problems(cfg, environ)
+    if environ.get("RANK", "0") == "0":  # (rank 0 alone tracks)
+        unreachable = tracking_problem(cfg)
+        if unreachable:
+            (report.not_here if dry_run else report.problems).append(unreachable)
     model_ready = check_model_folder(cfg, report, absent)
     datasets = load_datasets(cfg, report, absent, model_ready)
     if model_ready and not report.problems:
@@ -64,6 +69,32 @@ def world_problems(cfg: RunConfig, environ) -> list[str]:
                         f"torchrun started {world} in all: start it with --nnodes {p.nnodes} --nproc-per-node "
                         f"{p.nproc_per_node} on every node (or change parallel.nnodes)")
     return problems
+
+
+TRACKING_TIMEOUT_S = 3.0
+
+
+def tracking_problem(cfg: RunConfig, timeout_s: float = TRACKING_TIMEOUT_S) -> Optional[str]:
+    """An MLflow tracking server (``tracking.tracking_uri`` http(s)) that does not answer its ``/health``
+    within ``timeout_s``, as one line; None when it answers, or for a local store (the run folder's
+    sqlite, a file URI). Checked before anything starts: MLflow's own client retries for minutes."""
+    import urllib.error
+    import urllib.request
+
+    uri = cfg.tracking.tracking_uri
+    if not cfg.tracking.enabled or not uri or not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as answer:
+            if answer.status == 200:
+                return None
+            why = f"/health answered HTTP {answer.status}"
+    except urllib.error.HTTPError as exc:
+        why = f"/health answered HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:  # (refused, unknown host, timed out)
+        why = str(getattr(exc, "reason", exc))
+    return (f"tracking.tracking_uri: the MLflow server {uri} does not answer ({why}): start it, fix the URI, "
+            "or set tracking.enabled: false")
 
 
 def check_model_folder(cfg: RunConfig, report: Preflight, absent) -> bool:

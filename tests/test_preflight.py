@@ -231,3 +231,44 @@ def test_torchrun_with_the_wrong_process_count_prints_one_line(tmp_path):
         f"config error: {tmp_path / 'variant.yaml'}: parallel.nproc_per_node: 2 processes per node, but torchrun "
         "started 3 on this node: start it with --nproc-per-node 2 (or change parallel.nproc_per_node)"], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- the tracking server
+
+
+def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    """MLflow's client retries an unreachable server for minutes (a launch failed after 258 s): its
+    ``/health`` is asked first, with a bound; a local store is not asked."""
+    import http.server
+    import threading
+
+    from sparse_rl_mega.ports import free_port
+
+    for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", free_port()), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answering = f"http://127.0.0.1:{server.server_port}"
+        assert preflight(load_config(CPU_TINY, [f"tracking.tracking_uri={answering}"])).problems == []
+    finally:
+        server.shutdown()
+        server.server_close()
+    closed = f"http://127.0.0.1:{free_port()}"  # (nothing listens there)
+    cfg = load_config(CPU_TINY, [f"tracking.tracking_uri={closed}"])
+    expected = (f"tracking.tracking_uri: the MLflow server {closed} does not answer ([Errno 111] Connection refused): "
+                "start it, fix the URI, or set tracking.enabled: false")
+    assert preflight(cfg).problems == [expected]
+    assert preflight(cfg, dry_run=True).not_here == [expected] and preflight(cfg, dry_run=True).problems == []
+    assert preflight(load_config(CPU_TINY, [f"tracking.tracking_uri={closed}", "tracking.enabled=false"])).problems == []
+    assert preflight(load_config(CPU_TINY, [f"tracking.tracking_uri={closed}"]), environ={"RANK": "1"}).problems == []

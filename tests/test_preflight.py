@@ -217,6 +217,7 @@ def test_torchrun_process_counts_against_the_config():
     assert "torchrun started 4 in all" in world_problems(cfg, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})[0]
 
 
+@pytest.mark.launch  # (a real torchrun: not in the unit tier)
 def test_torchrun_with_the_wrong_process_count_prints_one_line(tmp_path):
     """torchrun's agent would add a 30-line report of the failed worker: the worker ends it instead."""
     from sparse_rl_mega.ports import free_port

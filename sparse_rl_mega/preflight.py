@@ -40,14 +40,13 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
     report = Preflight()
     environ = os.environ if environ is None else environ
 
-    def absent(key: str, what: str) -> None:
-        (report.not_here if dry_run else report.problems).append(f"{key}: {what}")
+    def absent(line: str) -> None:  # (an input this machine cannot see: a problem unless dry_run)
+        (report.not_here if dry_run else report.problems).append(line)
 
     report.problems += world_problems(cfg, environ)
-    if environ.get("RANK", "0") == "0":  # (rank 0 alone tracks)
-        unreachable = tracking_problem(cfg)
-        if unreachable:
-            (report.not_here if dry_run else report.problems).append(unreachable)
+    unreachable = tracking_problem(cfg) if environ.get("RANK", "0") == "0" else None  # (rank 0 alone tracks)
+    if unreachable:
+        absent(unreachable)
     model_ready = check_model_folder(cfg, report, absent)
     datasets = load_datasets(cfg, report, absent, model_ready)
     if model_ready and not report.problems:
@@ -104,14 +103,15 @@ def check_model_folder(cfg: RunConfig, report: Preflight, absent) -> bool:
     folder = Path(m.path)
     if not (folder / "config.json").is_file():
         if m.create_tiny is None:  # (a folder without config.json fails validate(), naming model.path)
-            absent("model.path", f"{folder} does not exist (an HF model folder: config.json, weights, tokenizer)")
+            absent(f"model.path: {folder} does not exist (an HF model folder: config.json, weights, tokenizer)")
         return False  # (create_tiny: built by the first run, from model.arch)
+    missing = []
     if not (any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))):
-        report.problems.append(f"model.path: {folder} has no weights (*.safetensors or pytorch_model*.bin)")
+        missing.append(f"model.path: {folder} has no weights (*.safetensors or pytorch_model*.bin)")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        report.problems.append(f"model.path: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
-        return False
-    return not report.problems
+        missing.append(f"model.path: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    report.problems += missing
+    return not missing
 
 
 def load_datasets(cfg: RunConfig, report: Preflight, absent, model_ready: bool) -> dict:
@@ -122,7 +122,7 @@ def load_datasets(cfg: RunConfig, report: Preflight, absent, model_ready: bool) 
     d = cfg.data
     datasets = {}
     if not Path(d.train_path).is_file():
-        absent("data.train_path", f"{d.train_path} is not a file (a jsonl of prompts and labels)")
+        absent(f"data.train_path: {d.train_path} is not a file (a jsonl of prompts and labels)")
     elif model_ready or d.format == "prompt_label" or not d.apply_chat_template or d.tokenizer:
         try:  # (question_answer rows templated with model.path's tokenizer: checked once it exists)
             datasets["data.train_path"] = load_prompt_dataset(d, default_tokenizer=cfg.model.path)
@@ -130,8 +130,8 @@ def load_datasets(cfg: RunConfig, report: Preflight, absent, model_ready: bool) 
             report.problems.append(f"data.train_path: {exc}")
     if cfg.eval.path:
         if not Path(cfg.eval.path).is_file():
-            absent("eval.path", f"{cfg.eval.path} is not a file (a prompt_label jsonl; write held-out sets with "
-                                "tools/prepare_data.py)")
+            absent(f"eval.path: {cfg.eval.path} is not a file (a prompt_label jsonl; write held-out sets with "
+                   "tools/prepare_data.py)")
         else:
             try:
                 datasets["eval.path"] = PromptDataset(cfg.eval.path)

@@ -303,12 +303,12 @@ def fit_max_new_tokens(requested: int, context: int, pool: int, longest: tuple[i
     """``requested`` capped (with a one-line notice) to what SGLang generates after the longest prompt,
     ``longest`` = ``(tokens, "file:line")``, on a model of ``context`` positions with a KV pool of
     ``pool`` slots (:func:`sparse_rl_mega.preflight.response_room`); raises UsageError when SGLang would refuse that prompt."""
+    from sparse_rl_mega.preflight import response_room
+
     tokens, where = longest
     positions = min(context, pool)
     limit = (f"the model has {context} positions" if context <= pool
              else f"the KV pool (--max-total-tokens) has {pool} slots")
-    from sparse_rl_mega.preflight import response_room
-
     room = response_room(positions, tokens)
     if room < 1:
         raise UsageError(f"--benchmarks: the longest prompt ({where}) has {tokens} tokens and {limit}: SGLang "

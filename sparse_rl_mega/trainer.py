@@ -596,10 +596,6 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     on_cpu = apply_if_cpu()
     torch.set_num_threads(cfg.trainer.torch_threads)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.world_size:
-        raise SystemExit(f"torchrun started {world} processes but the config's parallel section describes "
-                         f"{cfg.world_size} (nnodes x nproc_per_node)")
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # on GPU: NCCL for device tensors, gloo for the CPU tensors of the host-side work (correction,

@@ -2,9 +2,6 @@
 it, what --resume would continue from after a stop, and SGLang's loading bars only where they measure
 progress. (The lines themselves, in a run: tests/test_e2e.py reads a launch's output.)"""
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +9,6 @@ from sparse_rl_mega.config import load_config
 from tests.conftest import ROOT
 
 CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 @pytest.mark.parametrize("seconds, text", [(0.4, "0 s"), (59.4, "59 s"), (59.6, "1m 00s"), (185, "3m 05s"),
@@ -51,7 +47,7 @@ def test_mlflow_run_is_named_after_what_ran_and_says_how_to_open_it(tmp_path, mo
 
 
 def test_the_stop_line_names_the_checkpoint_resume_would_use(tmp_path):
-    from launch import resume_hint
+    from tools.launch import resume_hint
 
     from sparse_rl_mega.learner.checkpoint import MARKER
 

@@ -233,6 +233,9 @@ def reserved_mem_fraction(mem_fraction_static: float, side_bytes: int, free_byte
     return mem_fraction_static - side_bytes / free_bytes
 
 
+_SGLANG_ENGINES: list = []  # every SGLang Engine this process made (RolloutEngine.__init__: why)
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, kv: EngineKVSettings, *, dtype: str = "float32", seed: int = 0,
                  max_total_tokens: Optional[int] = None, max_running_requests: Optional[int] = None,
@@ -300,8 +303,11 @@ class RolloutEngine:
         # process: the reward workers, other engines, and multiprocessing's resource tracker, which the
         # exit's own clean-up then finds dead ("process died unexpectedly", a KeyError from the new one).
         # This engine's processes are ended by shutdown() / kill(), or die with this process
-        # (PR_SET_PDEATHSIG), so that handler goes
+        # (PR_SET_PDEATHSIG), so that handler goes. The Engine object stays referenced for the process's
+        # life, as that handler kept it: collected, a killed engine's zmq context would run term(), which
+        # blocks for ever on its sockets to the dead processes (seen: a test hung in the next Engine())
         atexit.unregister(self.engine.shutdown)
+        _SGLANG_ENGINES.append(self.engine)
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size
         self.name, self.timeout_s = name, timeout_s

@@ -9,10 +9,15 @@ sync, checkpoint; ``push``: the weight push itself, after the sync's logprob che
 
 * ``kill-engine`` / ``stop-engine``: SIGKILL / SIGSTOP engine 0's scheduler (its host does it);
 * ``kill-rank<R>``: rank R sends itself SIGKILL;
-* ``kill-launcher``: rank 0 sends SIGKILL to the launcher (``tools/launch.py``) that started the job.
+* ``kill-launcher``: rank 0 sends SIGKILL to the launcher (``tools/launch.py``) that started the job;
+* ``full-disk``: rank 0's next checkpoint write fails inside Megatron's writer with the operating
+  system's ``OSError(ENOSPC)`` (as on a full disk; use it at the ``checkpoint`` phase; no delay);
+* ``corrupt-checkpoint``: rank 0 cuts the largest shard file of the newest complete checkpoint to half
+  its size, then sends itself SIGKILL (the launcher's ``--max-restarts`` then resumes, which must skip it).
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -25,7 +30,8 @@ from typing import Callable, Optional
 FAULT_ENV = "SPARSE_RL_MEGA_FAULT"
 LAUNCHER_PID_ENV = "SPARSE_RL_MEGA_LAUNCHER_PID"
 PHASES = ("rollout", "train", "sync", "push", "checkpoint")
-_PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|kill-launcher)@(\w+):(\d+)(?:\+([0-9.]+))?$")
+_PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|kill-launcher|full-disk|corrupt-checkpoint)"
+                      r"@(\w+):(\d+)(?:\+([0-9.]+))?$")
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,8 @@ def parse_faults(text: str) -> list[Fault]:
 def parse_fault(text: str) -> Fault:
     match = _PATTERN.match(text.strip())
     if not match or match.group(2) not in PHASES:
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected <kill-engine|stop-engine|kill-rank<R>|kill-launcher>"
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected <kill-engine|stop-engine|kill-rank<R>|kill-launcher|"
+                         f"full-disk|corrupt-checkpoint>"
                          f"@<{'|'.join(PHASES)}>:<iteration>[+<delay_s>]")
     return Fault(match.group(1), match.group(2), int(match.group(3)), float(match.group(4) or 0.0))
 
@@ -54,15 +61,22 @@ def parse_fault(text: str) -> Fault:
 class FaultInjector:
     """Reads the fault from the environment once; :meth:`at` is called by every rank at each phase."""
 
-    def __init__(self, rank: int, run_dir: str, engine_pid: Callable[[], Optional[int]]):
+    def __init__(self, rank: int, run_dir: str, engine_pid: Callable[[], Optional[int]],
+                 checkpoint_dir: Optional[str] = None):
         self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
         self.rank, self.run_dir, self.engine_pid = rank, Path(run_dir), engine_pid
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.run_dir / "checkpoints"
 
     def at(self, phase: str, iteration: int) -> None:
         """``iteration``: 0-based, as in the loop."""
         for f in self.faults:
             marker = self.run_dir / f".fault_{f.spec()}"
             if f.phase != phase or f.iteration != iteration + 1 or marker.exists():
+                continue
+            if f.what in ("full-disk", "corrupt-checkpoint"):
+                if self.rank == 0:
+                    marker.write_text("fired\n")
+                    fail_next_checkpoint_write() if f.what == "full-disk" else self._corrupt_newest_checkpoint()
                 continue
             target = self._target(f.what)
             if target is None:
@@ -80,6 +94,15 @@ class FaultInjector:
         launcher = os.environ.get(LAUNCHER_PID_ENV)
         return (int(launcher), signal.SIGKILL) if self.rank == 0 and launcher else None
 
+    def _corrupt_newest_checkpoint(self) -> None:
+        from sparse_rl_mega.learner.checkpoint import complete_checkpoints
+
+        newest = complete_checkpoints(self.checkpoint_dir)
+        if newest:
+            shard = max(newest[-1].glob("*.distcp"), key=lambda f: f.stat().st_size)
+            os.truncate(shard, shard.stat().st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     @staticmethod
     def _fire(pid: int, sig: int, delay_s: float) -> None:
         time.sleep(delay_s)
@@ -87,3 +110,17 @@ class FaultInjector:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def fail_next_checkpoint_write() -> None:
+    """The next item that Megatron's checkpoint writer writes fails as on a full disk: the operating
+    system's ENOSPC, raised where the write happens (``filesystem_async._write_item``); once."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original = filesystem_async._write_item
+
+    def full_disk(*args, **kwargs):
+        filesystem_async._write_item = original
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    filesystem_async._write_item = full_disk

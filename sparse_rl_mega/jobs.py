@@ -51,6 +51,11 @@ def end_torchrun_agent(local_rank: int, wait_s: float = 30.0) -> None:
     time.sleep(wait_s)  # (bounded: a parent that survives leaves this process to exit on its own)
 
 
+class JobWideError(RuntimeError):
+    """A failure that every rank raises with the same message (e.g. a checkpoint that could not be
+    written): rank 0 alone prints it."""
+
+
 class FolderLocked(RuntimeError):
     """Another job writes the folder."""
 
@@ -116,6 +121,58 @@ def lock_job_folders(cfg) -> list[FolderLock]:
             lock.release()
         raise
     return taken
+
+
+RUN_RECORDS = ("timeline.jsonl", "eval.json")  # what a run writes into its run folder as it trains
+
+
+def earlier_run(cfg) -> Optional[str]:
+    """What an earlier run left in this job's folders (its checkpoints, complete or partial; its
+    per-iteration records), in a few words; None when they hold none. A run that is not resuming must
+    not mix its checkpoints with another's: ``--resume`` would continue the newest of either."""
+    from sparse_rl_mega.learner.checkpoint import MARKER, checkpoint_folder, complete_checkpoints
+
+    run_dir, folder = Path(cfg.trainer.run_dir), checkpoint_folder(cfg)
+    saved = sorted(folder.glob("iter_*")) if folder.is_dir() else []
+    records = [name for name in RUN_RECORDS if (run_dir / name).is_file()]
+    if not saved and not records:
+        return None
+    parts = []
+    if saved:
+        complete = complete_checkpoints(folder)
+        run_id = None
+        if complete:
+            try:
+                run_id = json.loads((complete[-1] / MARKER).read_text()).get("mlflow_run_id")
+            except (OSError, ValueError):
+                pass
+        span = saved[0].name if len(saved) == 1 else f"{saved[0].name}..{saved[-1].name}"
+        parts.append(f"checkpoints {span} in {folder}" + (f", of MLflow run {run_id}" if run_id else ""))
+    if records:
+        parts.append(" and ".join(records))
+    return "; ".join(parts)
+
+
+def clear_earlier_run(cfg) -> str:
+    """Remove an earlier run's checkpoints and per-iteration records (``--overwrite``; the MLflow store
+    keeps its runs); returns what was removed."""
+    import shutil
+
+    from sparse_rl_mega.learner.checkpoint import checkpoint_folder
+
+    what = earlier_run(cfg)
+    folder = checkpoint_folder(cfg)
+    for checkpoint in (sorted(folder.glob("iter_*")) if folder.is_dir() else []):
+        shutil.rmtree(checkpoint)
+    for name in RUN_RECORDS:
+        (Path(cfg.trainer.run_dir) / name).unlink(missing_ok=True)
+    return what or "nothing"
+
+
+def earlier_run_problem(cfg, what: str) -> str:
+    return (f"trainer.run_dir {Path(cfg.trainer.run_dir)} holds an earlier run ({what}): continue it with "
+            f"--resume, choose a new trainer.run_dir, or add --overwrite to remove its checkpoints and records "
+            f"first")
 
 
 def report_failure(exc: BaseException, run_dir: str, rank: int) -> str:

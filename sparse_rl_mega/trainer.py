@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.config import RunConfig
+from sparse_rl_mega.jobs import JobWideError
 
 
 def log(message: str) -> None:
@@ -96,7 +97,7 @@ class Trainer:
         self.clock = PhaseClock(launched_at)
         from sparse_rl_mega.faults import FaultInjector
 
-        self.faults = FaultInjector(self.rank, cfg.trainer.run_dir, self._engine0_scheduler)
+        self.faults = FaultInjector(self.rank, cfg.trainer.run_dir, self._engine0_scheduler, cfg.checkpoint.dir)
 
     def _engine0_scheduler(self) -> Optional[int]:
         """Pid of engine 0's scheduler on its host (for injected faults), else None."""
@@ -303,13 +304,14 @@ class Trainer:
         return checkpoint_folder(self.cfg)
 
     def maybe_resume(self) -> None:
-        """Load model, optimizer and RNG from ``checkpoint.resume`` (any TP/PP layout)."""
-        from sparse_rl_mega.learner.checkpoint import find_checkpoint, load_checkpoint
+        """Load model, optimizer and RNG from ``checkpoint.resume`` (any TP/PP layout): the newest
+        checkpoint that verifies (learner/checkpoint.py)."""
+        from sparse_rl_mega.learner.checkpoint import choose_resume_checkpoint, config_changes, load_checkpoint
 
         spec = self.cfg.checkpoint.resume
         if spec is None:
             return
-        path = find_checkpoint(spec, self.checkpoint_dir())
+        path = choose_resume_checkpoint(spec, self.checkpoint_dir(), log)
         if path is None:
             log(f"[setup] checkpoint.resume=auto: no checkpoint under {self.checkpoint_dir()}, starting fresh")
             return
@@ -317,9 +319,14 @@ class Trainer:
         self.resumed_from = {**load_checkpoint(self.learner, path), "path": str(path)}
         self.start_iteration = int(self.resumed_from["iteration"])
         saved = self.resumed_from.get("layout", {})
-        log(f"[setup] resumed from {path} (iteration {self.start_iteration}, saved at TP="
-            f"{saved.get('tensor_model_parallel_size')} PP={saved.get('pipeline_model_parallel_size')}) "
-            f"in {time.perf_counter() - started:.1f} s")
+        run = self.resumed_from.get("mlflow_run_id")
+        log(f"[setup] resumed from {path} (iteration {self.start_iteration}"
+            + (f" of MLflow run {run}" if run else "") + f", saved at TP={saved.get('tensor_model_parallel_size')} "
+            f"PP={saved.get('pipeline_model_parallel_size')}) in {time.perf_counter() - started:.1f} s")
+        changed = config_changes(self.resumed_from.get("config") or {}, self.cfg.to_dict())
+        if changed and self.resumed_from.get("config"):
+            shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+            log(f"[setup] config changed since that checkpoint: {shown}")
         if self.start_iteration >= self.cfg.trainer.iterations:
             log(f"[setup] trainer.iterations={self.cfg.trainer.iterations} already reached: nothing to train")
 
@@ -429,15 +436,19 @@ class Trainer:
                 metrics.update(self.fleet.push_weights(probe, trained, timer))
 
             if checkpoint_due:
-                from sparse_rl_mega.learner.checkpoint import save_checkpoint
+                from sparse_rl_mega.learner.checkpoint import config_digest, save_checkpoint
 
                 self.faults.at("checkpoint", iteration)
                 with timer.phase("checkpoint"):
                     extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
-                             "initial_model": cfg.model.path, "config": cfg.to_dict()}
-                    saved = save_checkpoint(self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last,
-                                            extra=extra, rank0_extra=self.rollouts.save)
-                saved_line = f"[checkpoint] iteration {trained} saved in {timer.seconds['checkpoint']:.1f} s: {saved}"
+                             "initial_model": cfg.model.path, "config": cfg.to_dict(),
+                             "config_digest": config_digest(cfg.to_dict())}
+                    saved, saved_bytes, crc_seconds = save_checkpoint(
+                        self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
+                        rank0_extra=self.rollouts.save)
+                metrics["time/checkpoint_crc_s"] = crc_seconds
+                saved_line = (f"[checkpoint] iteration {trained} saved in {timer.seconds['checkpoint']:.1f} s "
+                              f"({saved_bytes / 2**20:.1f} MiB, CRC-32 {crc_seconds:.2f} s): {saved}")
 
             if evaluating and eval_due:
                 with timer.phase("eval"):
@@ -509,7 +520,7 @@ class Trainer:
             log(f"[done] shut down in {clock.line()}")
 
 
-class NonFiniteTraining(RuntimeError):
+class NonFiniteTraining(JobWideError):
     """Too many optimizer steps in a row were skipped for a NaN/Inf loss or gradient norm."""
 
 
@@ -580,6 +591,8 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     launcher started (``time.time()``), from which start-up is counted."""
     from datetime import timedelta
 
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: Megatron's loads too)
+
     from sparse_rl_mega.jobs import held_by_launcher, lock_job_folders, lost_a_peer, print_error, report_failure
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
     from sparse_rl_mega.rollout.placement import hosts_an_engine
@@ -609,19 +622,21 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
         preload_cpu_engines()
     dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
     trainer = Trainer(cfg, launched_at)
-    ok = False
+    ok = job_wide = False
     try:
         trainer.setup()
         trainer.run()
         ok = True
-    except Exception as exc:  # noqa: BLE001 (one line here, the traceback in the run folder)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 (one line here, the traceback in the run folder)
         line = report_failure(exc, cfg.trainer.run_dir, rank)
-        if not lost_a_peer(exc):  # a rank that only lost its peers adds nothing to their own line
+        job_wide = isinstance(exc, JobWideError)
+        # a rank that only lost its peers adds nothing to their own line, nor to rank 0's of a job-wide one
+        if not lost_a_peer(exc) and not (job_wide and rank != 0):
             print_error(line)
     finally:
         trainer.close(ok)
         if dist.is_initialized():
-            if ok:
+            if ok or job_wide:  # (job-wide: the others wait for rank 0's line before they end)
                 dist.barrier()
             dist.destroy_process_group()
         for lock in locks:

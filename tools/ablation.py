@@ -327,7 +327,8 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         print(f"[ablation] ({k}/{len(runs)}) {name}: tools/launch.py {args.config} "
               + " ".join(f"--set {o}" for o in overrides if o not in args.overrides), flush=True)
-        code = run_launch([args.config, *[f"--set={o}" for o in overrides]], forked=forked)
+        # (a run that did not finish is run again from its start: its checkpoints go first)
+        code = run_launch([args.config, *[f"--set={o}" for o in overrides], "--overwrite"], forked=forked)
         print(f"[ablation] {name}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
         if code != 0:
             failed.append(name)

@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint under checkpoint.dir (same as "
                              "--set checkpoint.resume=auto); a different TP/PP layout may load it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start anew in a run folder that holds an earlier run: remove its checkpoints and "
+                             "per-iteration records first (its MLflow store keeps its runs); without it, or "
+                             "--resume, such a launch stops (single node: python tools/launch.py)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="start a failed job again from its newest complete checkpoint, up to N times "
                              "(single node; on a cluster use torchrun's --max-restarts with "
@@ -70,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--max-restarts must be >= 0")
     if args.gpu_memory_gb <= 0 or args.prompt_tokens < 1:
         parser.error("--gpu-memory-gb must be > 0 and --prompt-tokens >= 1")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in the folder, --overwrite removes it: give one of them")
     if args.resume:
         args.overrides.append("checkpoint.resume=auto")
     return args
@@ -145,16 +151,25 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     from sparse_rl_mega.faults import LAUNCHER_PID_ENV
     from sparse_rl_mega.forked_ranks import run_on_this_node, start_job_rank_server
-    from sparse_rl_mega.jobs import LOCK_HELD_ENV, FolderLocked, lock_job_folders
+    from sparse_rl_mega.jobs import (LOCK_HELD_ENV, FolderLocked, clear_earlier_run, earlier_run, earlier_run_problem,
+                                     lock_job_folders)
 
     try:
         locks = lock_job_folders(cfg)
     except FolderLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    held = earlier_run(cfg) if cfg.checkpoint.resume is None else None
+    if held and not args.overwrite:
+        for lock in locks:
+            lock.release()
+        return report_problems(args.config, [earlier_run_problem(cfg, held)])
+    if held:
+        print(f"[launch] --overwrite: removed {clear_earlier_run(cfg)}", flush=True)
     import torch.distributed.elastic.agent.server.api as agent_api
 
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # the agent's own report: see below
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # ("Terminating process N": idem)
     # (its agent's logger has a level of its own; "Received 15 death signal": the stop line below says it)
     agent_api.logger.setLevel(logging.ERROR)
     os.environ.update({LAUNCHED_AT_ENV: repr(LAUNCHED_AT), LOCK_HELD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())})
@@ -229,9 +244,15 @@ def main(argv=None) -> int:
         print(describe_layout(cfg))
         print(format_plan(cfg, plan))
         return 0 if plan.fits else 3
-    from sparse_rl_mega.jobs import held_by_launcher
+    from sparse_rl_mega.jobs import earlier_run, earlier_run_problem, held_by_launcher
 
     problems = [] if held_by_launcher() else preflight(cfg).problems  # (a launcher checked them already)
+    if under_torchrun and not held_by_launcher():
+        if args.overwrite:  # a restart by torchrun would remove the job's own checkpoints
+            problems.append("--overwrite: not under torchrun (its restarts would remove this job's own "
+                            "checkpoints); remove the earlier run's checkpoints yourself or choose a new trainer.run_dir")
+        elif cfg.checkpoint.resume is None and (held := earlier_run(cfg)):
+            problems.append(earlier_run_problem(cfg, held))
     if problems:
         status = report_problems(args.config, problems)
         if under_torchrun:

@@ -4,29 +4,217 @@
 
 * the model and optimizer shards (dist_checkpointing: any TP/PP layout can load them, the optimizer's
   Adam moments included, so a run may resume on a different layout);
-* ``sparse_rl_mega.json``: the iteration completed, the world layout, the MLflow run id and the
-  resolved config (for the record; the resuming run's own config is what runs);
+* ``sparse_rl_mega.json``: the iteration completed, the world layout, the MLflow run id, the resolved
+  config and its digest (for the record; the resuming run's own config is what runs), and every other
+  file's size and CRC-32 (``files``);
 * ``rng/rank_<R>.pt``: every rank's torch (and CUDA) RNG state, restored only when the layout is the
   same (another layout has other ranks; the loop's sampling seeds derive from the iteration anyway).
 
-A checkpoint is complete once ``sparse_rl_mega.json`` exists (written last); only the newest
-``keep_last`` are kept. The data position is the iteration: batch ``k`` is a pure function of the
-data seed and ``k`` (``PromptDataset.batch``).
+A checkpoint is complete once ``sparse_rl_mega.json`` exists (written last); resuming verifies every
+file against it first (:func:`verify`: sizes, then CRC-32 of the bytes, the files shared among the
+ranks) and skips one that fails. After a save the newest ``keep_last`` are kept: the one just saved and
+the newest older ones (newer ones are what a run resumed from an older checkpoint abandoned). A write
+that fails (no space, permission, quota, I/O) stops the job with one line (:class:`CheckpointNotSaved`)
+and removes the partial folder; the free space is compared with the previous checkpoint's size before
+writing. The data position is the iteration: batch ``k`` is a pure function of the data seed and ``k``
+(``PromptDataset.batch``).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
+import os
+import re
 import shutil
+import time
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException, not an Exception)
+
+from sparse_rl_mega.jobs import JobWideError
 
 if TYPE_CHECKING:  # (the launcher finds checkpoints without importing the learner)
     from sparse_rl_mega.learner.model import Learner
 
 MARKER = "sparse_rl_mega.json"
+_NAME = re.compile(r"^iter_\d{7}$")  # a checkpoint folder (not a renamed or foreign one beside it)
+_CHUNK = 8 << 20  # bytes read at a time for a CRC
+SPACE_MARGIN = 1.05  # a new checkpoint may be this much larger than the previous one
+
+
+class CheckpointNotSaved(JobWideError):
+    """A checkpoint could not be written (every rank raises it, with the same line)."""
+
+
+class CheckpointCorrupt(JobWideError):
+    """The checkpoint to resume from does not verify, or none under the folder does."""
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """``iter_NNNNNNN`` folders under ``root`` that hold a marker, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _NAME.match(p.name) and (p / MARKER).is_file())
+
+
+def checkpoint_bytes(path: str | Path) -> int:
+    """Bytes of a checkpoint: from its marker's file list, else by walking the folder."""
+    path = Path(path)
+    try:
+        files = read_marker(path).get("files")
+    except (OSError, ValueError):
+        files = None
+    if files:
+        return sum(size for size, _ in files.values())
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def crc32_of(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _data_files(path: Path) -> list[str]:
+    """Every file of a checkpoint but its marker, as paths relative to it, sorted."""
+    return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != MARKER)
+
+
+def file_problem(path: Path, name: str, size: int, crc: Optional[str]) -> Optional[str]:
+    """What is wrong with one recorded file (None: it matches); ``crc`` None: its size only."""
+    f = path / name
+    try:
+        actual = f.stat().st_size
+    except FileNotFoundError:
+        return f"{f}: missing"
+    if actual != size:
+        return f"{f}: {actual} bytes, the marker records {size}"
+    if crc is not None:
+        got = crc32_of(f)
+        if got != crc:
+            return f"{f}: CRC-32 {got}, the marker records {crc}"
+    return None
+
+
+def verify(path: str | Path, full: bool = True, share: tuple[int, int] = (0, 1)) -> Optional[str]:
+    """The first problem of a checkpoint (None: it verifies): an unreadable marker, a file missing, of
+    another size or (``full``) another CRC-32 than its marker records. ``share`` = (index, count):
+    check only every count-th file from index (the ranks split a checkpoint's files). A checkpoint
+    saved before files were recorded verifies by its marker alone."""
+    path = Path(path)
+    try:
+        files = read_marker(path).get("files")
+    except (OSError, ValueError) as exc:
+        return f"{path / MARKER}: unreadable ({exc})"
+    if files is None:
+        return None
+    index, count = share
+    for name in sorted(files)[index::count]:
+        size, crc = files[name]
+        problem = file_problem(path, name, size, crc if full else None)
+        if problem is not None:
+            return problem
+    return None
+
+
+def verify_on_all_ranks(path: Path) -> Optional[str]:
+    """:func:`verify` with the files shared among the ranks (a collective); every rank gets the first
+    problem found, or None."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = verify(path, share=(rank, world))
+    found: list = [None] * world
+    dist.all_gather_object(found, mine)
+    return next((p for p in found if p is not None), None)
+
+
+def config_digest(config: dict) -> str:
+    """A short digest of a resolved config (``checkpoint.resume`` left out: resuming sets it)."""
+    data = {**config, "checkpoint": {k: v for k, v in config.get("checkpoint", {}).items() if k != "resume"}}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every config value that differs (``checkpoint.resume`` left out)."""
+    out = []
+    for key in dict.fromkeys([*saved, *current]):
+        name = f"{prefix}{key}"
+        old, new = saved.get(key), current.get(key)
+        if name == "checkpoint.resume":
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_changes(old, new, f"{name}.")
+        elif old != new:
+            out.append(f"{name}: {old} -> {new}")
+    return out
+
+
+def _os_error(exc: BaseException) -> Optional[OSError]:
+    """An OSError behind ``exc`` (its causes, contexts and arguments: Megatron and torch's checkpoint
+    code wrap the writer's error in their own), or None."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        for arg in getattr(e, "args", ()):
+            if isinstance(arg, BaseException):
+                todo.append(arg)
+            elif isinstance(arg, (tuple, list)):
+                todo += [a for a in arg if isinstance(a, BaseException)]
+            elif isinstance(arg, dict):
+                todo += [a for a in arg.values() if isinstance(a, BaseException)]
+        todo += [v for v in (getattr(e, "failures", None) or {}).values() if isinstance(v, BaseException)]
+    return None
+
+
+def storage_cause(exc: BaseException, folder: Path) -> str:
+    """Why a write under ``folder`` failed, in the operating system's words when it has some: the
+    errno text of an OSError behind ``exc``; else (torch's writer reports a full disk as a failed
+    position check, without errno) that of a 1 MiB probe written and synced there; else ``exc``'s
+    first line."""
+    found = _os_error(exc)
+    if found is not None:
+        return f"{found.strerror} (errno {errno.errorcode.get(found.errno, found.errno)})"
+    probe = folder / f".write_probe_{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        return f"{probe_error.strerror} (errno {errno.errorcode.get(probe_error.errno, probe_error.errno)})"
+    finally:
+        probe.unlink(missing_ok=True)
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def free_bytes(folder: Path) -> Optional[int]:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def _layout() -> dict:
@@ -65,41 +253,137 @@ def _writer_results_in_process() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+    # its writer logs a failed write as an error line of its own; the save reports it (one line, named)
+    logging.getLogger(filesystem_async.__name__).setLevel(logging.CRITICAL)
+
+
+def _agree(problem: Optional[str]) -> Optional[str]:
+    """Every rank's problem of a step of the save (None: it went well); every rank gets the first."""
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    return next((p for p in found if p is not None), None)
+
+
+def _not_saved(iteration: int, root: Path, target: Path, problem: str) -> CheckpointNotSaved:
+    """The job-wide error of a failed save; rank 0 removes the partial folder first."""
+    removed, free = "", free_bytes(root)
+    if dist.get_rank() == 0 and target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+        removed = f"; the partial {target.name} was removed"
+    newest = complete_checkpoints(root)
+    return CheckpointNotSaved(
+        f"checkpoint of iteration {iteration} not saved: {problem}"
+        + (f" ({_size(free)} free)" if free is not None and "free" not in problem else "") + removed
+        + f"; the newest complete checkpoint is {newest[-1] if newest else 'none'}")
+
+
+def _space_problem(root: Path, target: Path) -> Optional[str]:
+    """Rank 0, before writing: whether ``root`` has room for a checkpoint the size of the previous one."""
+    previous = [p for p in complete_checkpoints(root) if p != target]
+    free = free_bytes(root)
+    if not previous or free is None:
+        return None
+    needed = checkpoint_bytes(previous[-1]) * SPACE_MARGIN
+    reclaimed = checkpoint_bytes(target) if target.is_dir() else 0  # (rewritten: removed first)
+    if free + reclaimed >= needed:
+        return None
+    return (f"{root}: {_size(free)} free, the previous checkpoint ({previous[-1].name}) took "
+            f"{_size(checkpoint_bytes(previous[-1]))}; nothing was written")
 
 
 def save_checkpoint(learner: Learner, ckpt_dir: str | Path, iteration: int, keep_last: int,
-                    extra: Optional[dict] = None, rank0_extra: Optional[Callable[[Path], None]] = None) -> Path:
+                    extra: Optional[dict] = None, rank0_extra: Optional[Callable[[Path], None]] = None
+                    ) -> tuple[Path, int, float]:
     """Save after ``iteration`` iterations (every rank calls this). ``extra`` goes into the marker;
-    ``rank0_extra(folder)``: rank 0 writes more files into the checkpoint folder (before the marker)."""
+    ``rank0_extra(folder)``: rank 0 writes more files into the checkpoint folder (before the marker).
+    Returns (folder, bytes, seconds spent on CRCs). A failed write raises :class:`CheckpointNotSaved`
+    on every rank (the partial folder removed, older checkpoints untouched)."""
     from megatron.core import dist_checkpointing
 
-    _writer_results_in_process()
-
-    root = Path(ckpt_dir)
-    target = root / f"iter_{iteration:07d}"
-    if dist.get_rank() == 0:
-        if target.exists():  # a partial save from a crashed run, or a rerun of the same iteration
-            shutil.rmtree(target)
-        target.mkdir(parents=True)  # dist_checkpointing needs an existing, empty folder
-    dist.barrier()
     from sparse_rl_mega.learner.weights import chunks_sharded_state_dict
 
-    model_state = chunks_sharded_state_dict(learner.modules)
-    state = {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
-    dist_checkpointing.save(state, str(target))
-    (target / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), target / "rng" / f"rank_{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if rank0_extra is not None:
+    _writer_results_in_process()
+    root = Path(ckpt_dir)
+    target = root / f"iter_{iteration:07d}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    # 1. rank 0: room for it? then an empty folder (dist_checkpointing needs one)
+    problem = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            problem = _space_problem(root, target)
+            if problem is None:
+                if target.exists():  # a partial save from a crashed run, or a rerun of the same iteration
+                    shutil.rmtree(target)
+                target.mkdir()
+        except OSError as exc:
+            problem = f"{root}: {storage_cause(exc, root)}"
+    problem = _agree(problem)
+    if problem is not None:
+        raise _not_saved(iteration, root, target, problem)
+
+    # 2. every rank writes its shards and RNG state; rank 0 its extra files
+    try:
+        model_state = chunks_sharded_state_dict(learner.modules)
+        state = {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
+        dist_checkpointing.save(state, str(target))
+        (target / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), target / "rng" / f"rank_{rank}.pt")
+        if rank == 0 and rank0_extra is not None:
             rank0_extra(target)
-        marker = {"iteration": iteration, "layout": _layout(), **(extra or {})}
-        (target / MARKER).write_text(json.dumps(marker, indent=1, default=str))
-        complete = sorted(p for p in root.glob("iter_*") if (p / MARKER).is_file())
-        for old in complete[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return target
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 (a storage error Megatron or torch wrapped)
+        problem = f"{target}: {storage_cause(exc, target if target.is_dir() else root)}"
+    problem = _agree(problem)
+    if problem is not None:
+        raise _not_saved(iteration, root, target, problem)
+
+    # 3. size and CRC-32 of every file, the files shared among the ranks (read back from the page cache)
+    crc_started = time.perf_counter()
+    names = [_data_files(target) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    mine: dict[str, list] = {}
+    try:
+        for name in names[0][rank::world]:
+            mine[name] = [(target / name).stat().st_size, crc32_of(target / name)]
+    except OSError as exc:
+        problem = f"{target}: reading back {exc.filename}: {exc.strerror}"
+    shares: list = [None] * world
+    dist.all_gather_object(shares, (problem, mine))
+    crc_seconds = time.perf_counter() - crc_started
+    problem = next((p for p, _ in shares if p is not None), None)
+    if problem is not None:
+        raise _not_saved(iteration, root, target, problem)
+    files = {name: entry for _, share in shares for name, entry in share.items()}
+
+    # 4. rank 0: the marker (written whole, then renamed into place: never half a marker), then pruning
+    if rank == 0:
+        try:
+            marker = {"iteration": iteration, "layout": _layout(), **(extra or {}), "files": files}
+            partial = target / f".{MARKER}.partial"
+            partial.write_text(json.dumps(marker, indent=1, default=str))
+            os.replace(partial, target / MARKER)
+        except OSError as exc:
+            problem = f"{target / MARKER}: {storage_cause(exc, target)}"
+        else:
+            _prune(root, target, keep_last)
+    problem = _agree(problem)
+    if problem is not None:
+        raise _not_saved(iteration, root, target, problem)
+    return target, sum(size for size, _ in files.values()), crc_seconds
+
+
+def _prune(root: Path, saved: Path, keep_last: int) -> None:
+    """Keep ``saved`` and the ``keep_last - 1`` newest complete checkpoints before it; remove the older
+    ones and any newer one (what a run resumed from an older checkpoint abandoned, e.g. one that did not
+    verify). Nothing is removed unless ``saved`` has every file of the size its marker records."""
+    if verify(saved, full=False) is not None:
+        return
+    complete = complete_checkpoints(root)
+    older = [p for p in complete if p.name < saved.name]
+    newer = [p for p in complete if p.name > saved.name]
+    for old in older[:max(0, len(older) - (keep_last - 1))] + newer:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_folder(cfg) -> Path:
@@ -107,22 +391,55 @@ def checkpoint_folder(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.trainer.run_dir) / "checkpoints")
 
 
-def find_checkpoint(spec: str, default_dir: str | Path) -> Optional[Path]:
-    """Resolve ``checkpoint.resume``: ``auto`` -> the newest complete checkpoint under
-    ``default_dir`` (None when there is none); otherwise a checkpoint folder (``iter_*``) or a
-    folder of checkpoints (its newest complete one). Raises when an explicit path has none."""
+def resume_candidates(spec: str, default_dir: str | Path) -> tuple[list[Path], bool]:
+    """``checkpoint.resume`` as the checkpoints to try, newest first, and whether it named one
+    checkpoint (then only that one may be used). ``auto``: every complete checkpoint under
+    ``default_dir`` (none: an empty list); a folder of checkpoints: its complete ones. Raises when an
+    explicit path has none."""
     if spec == "auto":
-        root = Path(default_dir)
-        complete = sorted(p for p in root.glob("iter_*") if (p / MARKER).is_file()) if root.is_dir() else []
-        return complete[-1] if complete else None
+        return complete_checkpoints(default_dir)[::-1], False
     path = Path(spec)
     if (path / MARKER).is_file():
-        return path
-    complete = sorted(p for p in path.glob("iter_*") if (p / MARKER).is_file()) if path.is_dir() else []
-    if not complete:
+        return [path], True
+    found = complete_checkpoints(path)
+    if not found:
         raise FileNotFoundError(f"checkpoint.resume {spec}: no complete checkpoint there "
                                 f"(expected {MARKER} in it or in an iter_* folder under it)")
-    return complete[-1]
+    return found[::-1], False
+
+
+def find_checkpoint(spec: str, default_dir: str | Path) -> Optional[Path]:
+    """Resolve ``checkpoint.resume`` without reading the shards: the newest complete checkpoint whose
+    files have the sizes its marker records (``auto`` under ``default_dir``: None when there is none;
+    else a checkpoint folder, or the newest under a folder of checkpoints). Raises when an explicit path
+    has none. Resuming also compares CRCs (:func:`choose_resume_checkpoint`)."""
+    candidates, explicit = resume_candidates(spec, default_dir)
+    if explicit:
+        return candidates[0]
+    return next((p for p in candidates if verify(p, full=False) is None), None)
+
+
+def choose_resume_checkpoint(spec: str, default_dir: str | Path, log: Callable[[str], None]) -> Optional[Path]:
+    """(Every rank.) The checkpoint to resume from: the newest that verifies (sizes and CRC-32 of every
+    file, the files shared among the ranks); one that does not is skipped with a line naming the file
+    and what differed. A checkpoint named explicitly that does not verify, or a folder where none does,
+    raises :class:`CheckpointCorrupt` (one line). None: ``auto`` and no checkpoint at all."""
+    listed = [resume_candidates(spec, default_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(listed, src=0)  # (one listing: ranks on other hosts see the same files)
+    candidates, explicit = listed[0]
+    for path in candidates:
+        problem = verify_on_all_ranks(path)
+        if problem is None:
+            return path
+        if explicit:
+            raise CheckpointCorrupt(f"checkpoint.resume {path} does not verify: {problem}; name another "
+                                    f"checkpoint, or use --resume for the newest one that verifies")
+        log(f"[setup] checkpoint {path.name} skipped: it does not verify: {problem}")
+    if candidates:
+        raise CheckpointCorrupt(f"none of the {len(candidates)} complete checkpoint(s) under "
+                                f"{candidates[0].parent} verifies (the skipped lines above say why); start "
+                                f"anew in another trainer.run_dir, or with --overwrite")
+    return None
 
 
 def read_marker(path: str | Path) -> dict:

@@ -8,6 +8,7 @@ interleaved pipeline (PP=2 with 2 virtual stages: each rank holds layers {0, 2} 
 summation order: same rollouts (the engine gets the checkpoint's weights), same loss and correction
 (model and Adam moments restored, resharded by dist_checkpointing)."""
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -89,6 +90,15 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
         # stopped (hung) as the weight push starts (a killed one: tests/test_multinode.py)
         env = {"SPARSE_RL_MEGA_FAULT": "stop-engine@push:3"}
         overrides.append("--set=rollout.engine_timeout_s=4")
+        # and --resume over a folder whose newest checkpoint is corrupt (one byte of a shard changed, its
+        # size kept: only the CRC-32 can tell): it is skipped, iteration 2's is used
+        for name in ("iter_0000002", "iter_0000003"):
+            shutil.copytree(full_dir / "checkpoints" / name, run_dir / "checkpoints" / name)
+        shard = run_dir / "checkpoints" / "iter_0000003" / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        overrides = ["--resume" if o.startswith("--set=checkpoint.resume=") else o for o in overrides]
     resumed = run_launch(config, *overrides, timeout=600, env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "Warning" not in resumed.stderr, resumed.stderr[-3000:]  # resuming is quiet too (sparse_rl_mega/quiet.py)
@@ -110,6 +120,9 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     assert got["rollout/weight_version"] == expected["rollout/weight_version"] == 2
     assert got["sync/max_abs_logprob_diff"] < 1e-4
     if layout == "same-pp2":  # same layout, same summation order: bit for bit, despite the engine restart
+        assert (f"[setup] checkpoint iter_0000003 skipped: it does not verify: {shard}: CRC-32 "
+                in resumed.stdout), resumed.stdout[-3000:]
+        assert f"resumed from {run_dir / 'checkpoints' / 'iter_0000002'} (iteration 2 of MLflow run " in resumed.stdout
         assert "[engine] engine 0 (on rank 0) failed in weight push: no answer for" in resumed.stdout
         assert "rollout.engine_timeout_s=4); its scheduler" in resumed.stdout and "is stopped" in resumed.stdout
         assert resumed.stdout.count("restarted and given weights version 3") == 1
@@ -121,3 +134,37 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     # the learner's numbers agree to float32 summation order (a different layout sums differently)
     for key in COMPARED[2:]:
         assert got[key] == pytest.approx(expected[key], rel=RESHARD_BOUND, abs=RESHARD_BOUND), (key, got[key], expected[key])
+
+
+def test_full_disk_during_a_checkpoint_then_the_restart_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
+    """A launch with --overwrite into a folder that holds an earlier run (removed first), whose rank 0
+    checkpoint writer fails with the operating system's ENOSPC while it writes iteration 2's shards (the
+    fault module raises it inside Megatron's writer, as a full disk does): one line for the job naming the
+    folder, the cause and the free space; the partial folder is removed, iteration 1's checkpoint kept;
+    the launcher's restart resumes from it and iteration 3 equals the uninterrupted run's bit for bit."""
+    from sparse_rl_mega.learner.checkpoint import complete_checkpoints, verify
+
+    full_dir, _ = e2e_run
+    run_dir = tmp_path / "run"
+    stray = run_dir / "checkpoints" / "iter_0000009"  # another run's checkpoint, and its records
+    stray.mkdir(parents=True)
+    (run_dir / "timeline.jsonl").write_text("{}\n")
+    config = write_test_config(tmp_path / "disk.yaml", tiny_model_dir, run_dir)
+    done = run_launch(config, "--overwrite", "--max-restarts", "1", timeout=600,
+                      env={"SPARSE_RL_MEGA_FAULT": "full-disk@checkpoint:2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert f"[launch] --overwrite: removed checkpoints iter_0000009 in {run_dir / 'checkpoints'}; timeline.jsonl" \
+        in done.stdout, done.stdout[:3000]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("[error]")]
+    folder = run_dir / "checkpoints"
+    assert len(errors) == 1 and errors[0].startswith(
+        f"[error] rank 0: checkpoint of iteration 2 not saved: {folder / 'iter_0000002'}: No space left on device "
+        f"(errno ENOSPC) ("), errors
+    assert (f"free); the partial iter_0000002 was removed; the newest complete checkpoint is {folder / 'iter_0000001'}"
+            in errors[0]), errors
+    assert "Traceback" not in done.stderr and "encountered an error" not in done.stderr, done.stderr[-3000:]
+    assert "[launch] the job failed: rank" in done.stderr and "starting it again from the newest checkpoint" in done.stderr
+    assert f"resumed from {folder / 'iter_0000001'} (iteration 1 of MLflow run " in done.stdout
+    assert [p.name for p in complete_checkpoints(folder)] == ["iter_0000002", "iter_0000003"]  # keep_last 2
+    assert all(verify(p) is None for p in complete_checkpoints(folder))
+    assert _metrics_at(run_dir, 2) == _metrics_at(full_dir, 2)

@@ -158,25 +158,22 @@ def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 def _os_error(exc: BaseException) -> Optional[OSError]:
-    """An OSError behind ``exc`` (its causes, contexts and arguments: Megatron and torch's checkpoint
-    code wrap the writer's error in their own), or None."""
+    """An OSError behind ``exc`` (its causes, contexts, arguments and ``failures``, and the tuples and
+    dicts among them: torch's CheckpointException holds ``{rank: (exception, traceback)}``), or None."""
     seen, todo = set(), [exc]
     while todo:
-        e = todo.pop()
-        if id(e) in seen:
+        item = todo.pop()
+        if id(item) in seen:
             continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        for arg in getattr(e, "args", ()):
-            if isinstance(arg, BaseException):
-                todo.append(arg)
-            elif isinstance(arg, (tuple, list)):
-                todo += [a for a in arg if isinstance(a, BaseException)]
-            elif isinstance(arg, dict):
-                todo += [a for a in arg.values() if isinstance(a, BaseException)]
-        todo += [v for v in (getattr(e, "failures", None) or {}).values() if isinstance(v, BaseException)]
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno is not None:
+            return item
+        if isinstance(item, BaseException):
+            todo += [item.__cause__, item.__context__, *item.args, getattr(item, "failures", None)]
+        elif isinstance(item, (tuple, list)):
+            todo += item
+        elif isinstance(item, dict):
+            todo += item.values()
     return None
 
 

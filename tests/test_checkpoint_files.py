@@ -68,6 +68,10 @@ def test_the_storage_cause_is_the_operating_systems(tmp_path):
     except RuntimeError as wrapped:
         outer = RuntimeError("CheckpointException ranks:dict_keys([0])", {0: (wrapped, None)})
     assert ck.storage_cause(outer, tmp_path) == "No space left on device (errno ENOSPC)"
+    # gathered from the ranks, the writer's error arrives pickled: its cause is lost, its text names it
+    gathered = RuntimeError("CheckpointException ranks:dict_keys([1])",
+                            {1: (RuntimeError(f"Worker failure: {OSError(errno.EACCES, 'Permission denied', '/c/x')}"),)})
+    assert ck.storage_cause(gathered, tmp_path) == "Permission denied (errno EACCES)"
     # no OSError behind it (torch's writer reports a full disk as a position check): a probe write asks
     assert ck.storage_cause(RuntimeError("unexpected pos 704 vs 598"), tmp_path) == "unexpected pos 704 vs 598"
     assert list(tmp_path.iterdir()) == []  # (the probe is removed)

@@ -7,7 +7,10 @@ run ends.
 The config runs once uninterrupted, then ``--trials`` times with one fault drawn at random (seeded):
 SIGKILL of engine 0's scheduler, SIGSTOP of it (a hang), SIGKILL of one learner rank or of the launcher,
 during the rollout, the training, the weight push or the checkpoint save of a random iteration
-(``sparse_rl_mega/faults.py`` fires it inside the job at that point). The job recovers by itself
+(``sparse_rl_mega/faults.py`` fires it inside the job at that point); a full disk while a checkpoint
+is written (the writer's ENOSPC: the job stops with one line, the launcher restarts it); a corrupt
+newest checkpoint (a shard cut in half, then rank 0 killed: the restart must skip it and resume from
+the one before). The job recovers by itself
 (engine restart, or the launcher's ``--max-restarts``); a killed launcher takes its whole job with it
 (nothing may be left running), and the tool then starts it again with ``--resume``, as a person or a
 cluster scheduler would. No process of a trial's job may be left 15 s after it ended (found by an
@@ -43,7 +46,7 @@ if str(ROOT) not in sys.path:
 from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
 from sparse_rl_mega.faults import FAULT_ENV, Fault, parse_faults  # noqa: E402
 
-TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher"]
+TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher", "full-disk", "corrupt-checkpoint"]
 PHASES = ["rollout", "train", "push", "checkpoint"]
 NOT_COMPARED = ("time/", "engine/restarts", "sync/pre_sync_")
 HANG_TIMEOUT_S = 10  # rollout.engine_timeout_s in the trials: a stopped engine is found within this
@@ -84,8 +87,17 @@ def draw_faults(n: int, iterations: int, world: int, seed: int) -> list[Fault]:
         cycle = targets[:]
         rng.shuffle(cycle)
         order += cycle
-    return [Fault(what, rng.choice(PHASES), rng.randint(1, iterations), round(rng.uniform(0.0, 0.5), 2))
-            for what in order[:n]]
+    return [_fault(what, iterations, rng) for what in order[:n]]
+
+
+def _fault(what: str, iterations: int, rng: random.Random) -> Fault:
+    """A fault at a random point; a full disk when a checkpoint is written; a corrupt checkpoint from
+    iteration 3 on (the newest is cut, the one before it must exist to resume from)."""
+    if what == "full-disk":
+        return Fault(what, "checkpoint", rng.randint(1, iterations))
+    if what == "corrupt-checkpoint":
+        return Fault(what, rng.choice(PHASES), rng.randint(min(3, iterations), iterations))
+    return Fault(what, rng.choice(PHASES), rng.randint(1, iterations), round(rng.uniform(0.0, 0.5), 2))
 
 
 def launch(config: str, run_dir: Path, overrides: list[str], env: dict, extra: list[str]) -> subprocess.CompletedProcess:
@@ -242,6 +254,10 @@ def main(argv=None) -> int:
         text = (run_dir.parent / f"{run_dir.name}.log").read_text()
         if "starting it again from the newest checkpoint" in text:
             how = "job restarted by the launcher"
+            if "not saved: " in text:
+                how = "checkpoint not saved; " + how
+            if "skipped: it does not verify" in text:
+                how = "corrupt checkpoint skipped; " + how
         elif "[engine] " in text and "restarting" in text:
             how = "engine restarted"
         if not all((run_dir / f".fault_{f.spec()}").exists() for f in faults):

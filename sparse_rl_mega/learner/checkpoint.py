@@ -157,6 +157,9 @@ def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return out
 
 
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:\]\n]+)")  # how an OSError reads: "[Errno 28] No space left on device"
+
+
 def _os_error(exc: BaseException) -> Optional[OSError]:
     """An OSError behind ``exc`` (its causes, contexts, arguments and ``failures``, and the tuples and
     dicts among them: torch's CheckpointException holds ``{rank: (exception, traceback)}``), or None."""
@@ -169,6 +172,10 @@ def _os_error(exc: BaseException) -> Optional[OSError]:
         if isinstance(item, OSError) and item.errno is not None:
             return item
         if isinstance(item, BaseException):
+            # (gathered from the ranks, the writer's error came pickled: its cause lost, its text kept)
+            named = _ERRNO_TEXT.search(str(item))
+            if named:
+                return OSError(int(named.group(1)), named.group(2))
             todo += [item.__cause__, item.__context__, *item.args, getattr(item, "failures", None)]
         elif isinstance(item, (tuple, list)):
             todo += item

@@ -4,6 +4,7 @@
 #   make test   the test suite (4-12 min on 2 cores, with the machine's speed: docs/testing.md)
 #   make test-fast   the pure tests alone (tier 'unit': no engine, no torchrun; about a minute)
 #   make demo-tiny   the same loop on a tiny locally built model (about a minute)
+#   again over an earlier run's folder: make demo ARGS=--resume (continue it) or ARGS=--overwrite (start anew)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
@@ -24,10 +25,10 @@ demo: env
 	$(PY) tools/prepare_model.py --out $(SMOLLM2)
 	$(PY) tools/prepare_data.py --benchmarks sums_train,sums_test --tokenizer $(SMOLLM2) \
 		--instruction 'Put your final answer within \boxed{}.'
-	$(PY) tools/launch.py examples/cpu_smollm2.yaml
+	$(PY) tools/launch.py examples/cpu_smollm2.yaml $(ARGS)
 
 demo-tiny: env
-	$(PY) tools/launch.py examples/cpu_tiny.yaml
+	$(PY) tools/launch.py examples/cpu_tiny.yaml $(ARGS)
 
 test: env
 	$(PY) -m pytest

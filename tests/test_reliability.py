@@ -28,6 +28,24 @@ def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_p
     assert [line.split(": ")[0].strip() for line in lines[1:]] == [f"{rows}:2", f"{rows}:3"], lines
 
 
+def test_a_folder_with_an_earlier_run_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    """Another run's checkpoint in the run folder, no --resume: one line offering --resume, a new folder
+    or --overwrite; nothing started, nothing removed."""
+    run_dir = tmp_path / "run"
+    earlier = run_dir / "checkpoints" / "iter_0000002"
+    earlier.mkdir(parents=True)
+    config = write_test_config(tmp_path / "job.yaml", tiny_model_dir, run_dir)
+    started = time.perf_counter()
+    done = run_launch(config, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert time.perf_counter() - started < 60 and "[setup]" not in done.stdout
+    assert done.stderr.strip() == (
+        f"config error: {config}: trainer.run_dir {run_dir} holds an earlier run (checkpoints iter_0000002 in "
+        f"{run_dir / 'checkpoints'}): continue it with --resume, choose a new trainer.run_dir, or add --overwrite "
+        "to remove its checkpoints and records first"), done.stderr
+    assert earlier.is_dir()
+
+
 def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_model_dir, tmp_path):
     """SIGKILL of ``tools/launch.py`` while its job runs (injected as the second rollout starts, after a
     checkpoint was saved): every process of the job (learner ranks, SGLang scheduler and detokenizer,

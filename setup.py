@@ -19,6 +19,7 @@ setup(
         "transformers>=4.51",
         "math-verify>=0.7",
         "pyyaml",
+        "xxhash",  # checkpoint digests (also an SGLang dependency)
     ],
     extras_require={
         # Never installed on CPU: Transformer Engine breaks `import megatron.core` without CUDA.

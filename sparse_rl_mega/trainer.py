@@ -443,12 +443,12 @@ class Trainer:
                     extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
                              "initial_model": cfg.model.path, "config": cfg.to_dict(),
                              "config_digest": config_digest(cfg.to_dict())}
-                    saved, saved_bytes, crc_seconds = save_checkpoint(
+                    saved, saved_bytes, digest_seconds = save_checkpoint(
                         self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
                         rank0_extra=self.rollouts.save)
-                metrics["time/checkpoint_crc_s"] = crc_seconds
+                metrics["time/checkpoint_digest_s"] = digest_seconds
                 saved_line = (f"[checkpoint] iteration {trained} saved in {timer.seconds['checkpoint']:.1f} s "
-                              f"({saved_bytes / 2**20:.1f} MiB, CRC-32 {crc_seconds:.2f} s): {saved}")
+                              f"({saved_bytes / 2**20:.1f} MiB, digests {digest_seconds:.2f} s): {saved}")
 
             if evaluating and eval_due:
                 with timer.phase("eval"):

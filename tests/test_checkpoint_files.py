@@ -1,28 +1,28 @@
 """What a checkpoint's marker records and what is done with it, without a learner: verification of
-every file (size, CRC-32), the storage error's cause in the operating system's words, the free-space
+every file (size, XXH3-64 digest), the storage error's cause in the operating system's words, the free-space
 check before a save, which checkpoints pruning keeps, which one --resume would take, and a run folder
 that holds an earlier run. (The save and resume themselves: tests/test_resume.py.)"""
 import errno
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from sparse_rl_mega.learner import checkpoint as ck
 
 
 def _checkpoint(root: Path, iteration: int, files: dict[str, bytes], record: bool = True) -> Path:
-    """A checkpoint folder with ``files`` and a marker recording them (CRC-32 computed here with zlib)."""
+    """A checkpoint folder with ``files`` and a marker recording them (digests computed here, whole)."""
     path = root / f"iter_{iteration:07d}"
     for name, data in files.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(data)
     marker = {"iteration": iteration}
     if record:
-        marker["files"] = {name: [len(data), f"{zlib.crc32(data):08x}"] for name, data in files.items()}
+        marker["files"] = {name: [len(data), xxhash.xxh3_64_hexdigest(data)] for name, data in files.items()}
     (path / ck.MARKER).write_text(json.dumps(marker))
     return path
 
@@ -36,8 +36,8 @@ def test_verify_names_the_file_and_what_differs(tmp_path):
     shard = path / "__0_0.distcp"
     shard.write_bytes(b"a" * 1000 + b"c" + b"b" * 999)  # same size, one byte changed
     assert ck.verify(path, full=False) is None
-    assert ck.verify(path) == f"{shard}: CRC-32 {zlib.crc32(shard.read_bytes()):08x}, the marker records " \
-                              f"{zlib.crc32(FILES['__0_0.distcp']):08x}"
+    assert ck.verify(path) == f"{shard}: XXH3 digest {xxhash.xxh3_64_hexdigest(shard.read_bytes())}, the marker " \
+                              f"records {xxhash.xxh3_64_hexdigest(FILES['__0_0.distcp'])}"
     os.truncate(shard, 700)
     assert ck.verify(path, full=False) == f"{shard}: 700 bytes, the marker records 2000"
     (path / "rng" / "rank_0.pt").unlink()
@@ -52,10 +52,10 @@ def test_verify_names_the_file_and_what_differs(tmp_path):
     assert ck.verify(old) is None
 
 
-def test_crc_is_zlibs_over_the_whole_file(tmp_path):
-    data = os.urandom(3 * ck._CHUNK + 12345)  # several blocks: the running CRC is carried between them
+def test_the_digest_is_xxh3_of_the_whole_file(tmp_path):
+    data = os.urandom(3 * ck._CHUNK + 12345)  # several blocks: the running state is carried between them
     (tmp_path / "f").write_bytes(data)
-    assert ck.crc32_of(tmp_path / "f") == f"{zlib.crc32(data):08x}"
+    assert ck.digest_of(tmp_path / "f") == xxhash.xxh3_64_hexdigest(data)
 
 
 def test_the_storage_cause_is_the_operating_systems(tmp_path):

@@ -68,7 +68,7 @@ def test_console_says_where_things_went(e2e_run):
     iterations = re.findall(rf"^\[iter (\d)/3\] .*\| [\d.]+ s( \| ETA {took})?$", proc.stdout, re.MULTILINE)
     assert [(i, bool(eta)) for i, eta in iterations] == [("1", True), ("2", True), ("3", False)], proc.stdout[-3000:]
     for iteration in (1, 2, 3):
-        assert re.search(rf"^\[checkpoint\] iteration {iteration} saved in [\d.]+ s \([\d.]+ MiB, CRC-32 [\d.]+ s\): "
+        assert re.search(rf"^\[checkpoint\] iteration {iteration} saved in [\d.]+ s \([\d.]+ MiB, digests [\d.]+ s\): "
                          rf".*{run_dir}/checkpoints/"
                          rf"iter_000000{iteration}$", proc.stdout, re.MULTILINE), proc.stdout[-3000:]
     assert re.search(rf"^\[done\] 3 iteration\(s\) in {took} \({took} since launch\); run folder {run_dir}$",

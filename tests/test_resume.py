@@ -91,7 +91,7 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
         env = {"SPARSE_RL_MEGA_FAULT": "stop-engine@push:3"}
         overrides.append("--set=rollout.engine_timeout_s=4")
         # and --resume over a folder whose newest checkpoint is corrupt (one byte of a shard changed, its
-        # size kept: only the CRC-32 can tell): it is skipped, iteration 2's is used
+        # size kept: only the digest can tell): it is skipped, iteration 2's is used
         for name in ("iter_0000002", "iter_0000003"):
             shutil.copytree(full_dir / "checkpoints" / name, run_dir / "checkpoints" / name)
         shard = run_dir / "checkpoints" / "iter_0000003" / "__0_0.distcp"
@@ -120,7 +120,7 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
     assert got["rollout/weight_version"] == expected["rollout/weight_version"] == 2
     assert got["sync/max_abs_logprob_diff"] < 1e-4
     if layout == "same-pp2":  # same layout, same summation order: bit for bit, despite the engine restart
-        assert (f"[setup] checkpoint iter_0000003 skipped: it does not verify: {shard}: CRC-32 "
+        assert (f"[setup] checkpoint iter_0000003 skipped: it does not verify: {shard}: XXH3 digest "
                 in resumed.stdout), resumed.stdout[-3000:]
         assert f"resumed from {run_dir / 'checkpoints' / 'iter_0000002'} (iteration 2 of MLflow run " in resumed.stdout
         assert "[engine] engine 0 (on rank 0) failed in weight push: no answer for" in resumed.stdout

@@ -12,6 +12,8 @@ sync, checkpoint; ``push``: the weight push itself, after the sync's logprob che
 * ``kill-launcher``: rank 0 sends SIGKILL to the launcher (``tools/launch.py``) that started the job;
 * ``full-disk``: rank 0's next checkpoint write fails inside Megatron's writer with the operating
   system's ``OSError(ENOSPC)`` (as on a full disk; use it at the ``checkpoint`` phase; no delay);
+* ``kill-tracking``: rank 0 sends SIGKILL to the process group of the MLflow tracking server whose pid
+  ``SPARSE_RL_MEGA_TRACKING_SERVER_PID`` names (``tools/chaos.py`` starts one, and starts it again);
 * ``corrupt-checkpoint``: rank 0 cuts the largest shard file of the newest complete checkpoint to half
   its size, then sends itself SIGKILL (the launcher's ``--max-restarts`` then resumes, which must skip it).
 """
@@ -29,8 +31,9 @@ from typing import Callable, Optional
 
 FAULT_ENV = "SPARSE_RL_MEGA_FAULT"
 LAUNCHER_PID_ENV = "SPARSE_RL_MEGA_LAUNCHER_PID"
+TRACKING_SERVER_PID_ENV = "SPARSE_RL_MEGA_TRACKING_SERVER_PID"
 PHASES = ("rollout", "train", "sync", "push", "checkpoint")
-_PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|kill-launcher|full-disk|corrupt-checkpoint)"
+_PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|kill-launcher|full-disk|corrupt-checkpoint|kill-tracking)"
                       r"@(\w+):(\d+)(?:\+([0-9.]+))?$")
 
 
@@ -53,7 +56,7 @@ def parse_fault(text: str) -> Fault:
     match = _PATTERN.match(text.strip())
     if not match or match.group(2) not in PHASES:
         raise ValueError(f"{FAULT_ENV}={text!r}: expected <kill-engine|stop-engine|kill-rank<R>|kill-launcher|"
-                         f"full-disk|corrupt-checkpoint>"
+                         f"full-disk|corrupt-checkpoint|kill-tracking>"
                          f"@<{'|'.join(PHASES)}>:<iteration>[+<delay_s>]")
     return Fault(match.group(1), match.group(2), int(match.group(3)), float(match.group(4) or 0.0))
 
@@ -91,6 +94,9 @@ class FaultInjector:
             return None if pid is None else (pid, signal.SIGKILL if what == "kill-engine" else signal.SIGSTOP)
         if what.startswith("kill-rank"):
             return (os.getpid(), signal.SIGKILL) if int(what[len("kill-rank"):]) == self.rank else None
+        if what == "kill-tracking":
+            server = os.environ.get(TRACKING_SERVER_PID_ENV)
+            return (-int(server), signal.SIGKILL) if self.rank == 0 and server else None  # (its process group)
         launcher = os.environ.get(LAUNCHER_PID_ENV)
         return (int(launcher), signal.SIGKILL) if self.rank == 0 and launcher else None
 

@@ -10,7 +10,8 @@ during the rollout, the training, the weight push or the checkpoint save of a ra
 (``sparse_rl_mega/faults.py`` fires it inside the job at that point); a full disk while a checkpoint
 is written (the writer's ENOSPC: the job stops with one line, the launcher restarts it); a corrupt
 newest checkpoint (a shard cut in half, then rank 0 killed: the restart must skip it and resume from
-the one before). The job recovers by itself
+the one before); the MLflow tracking server killed (the trial logs to a real ``mlflow server`` that
+this tool starts, and starts again ``TRACKING_DOWN_S`` after it dies: no metric may be missing). The job recovers by itself
 (engine restart, or the launcher's ``--max-restarts``); a killed launcher takes its whole job with it
 (nothing may be left running), and the tool then starts it again with ``--resume``, as a person or a
 cluster scheduler would. No process of a trial's job may be left 15 s after it ended (found by an
@@ -34,8 +35,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,9 +47,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
-from sparse_rl_mega.faults import FAULT_ENV, Fault, parse_faults  # noqa: E402
+from sparse_rl_mega.faults import FAULT_ENV, TRACKING_SERVER_PID_ENV, Fault, parse_faults  # noqa: E402
 
-TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher", "full-disk", "corrupt-checkpoint"]
+TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher", "full-disk", "corrupt-checkpoint",
+           "kill-tracking"]
 PHASES = ["rollout", "train", "push", "checkpoint"]
 NOT_COMPARED = ("time/", "engine/restarts", "sync/pre_sync_")
 HANG_TIMEOUT_S = 10  # rollout.engine_timeout_s in the trials: a stopped engine is found within this
@@ -110,6 +114,69 @@ def launch(config: str, run_dir: Path, overrides: list[str], env: dict, extra: l
 
 
 TRIAL_ENV = "SPARSE_RL_MEGA_CHAOS_RUN"  # marks every process a trial's job starts (inherited by all)
+TRACKING_DOWN_S = 5.0  # how long a killed tracking server stays down before it is started again
+
+
+class TrackingServer:
+    """A real ``mlflow server`` on a free loopback port whose store is the trial's ``<run_dir>/mlflow.db``
+    (where the metrics are compared from), started again ``TRACKING_DOWN_S`` after it dies, until
+    :meth:`stop`."""
+
+    def __init__(self, run_dir: Path, log: Path, start_timeout_s: float = 180.0):
+        from sparse_rl_mega.ports import free_port
+
+        self.run_dir, self.log, self.start_timeout_s = run_dir, log, start_timeout_s
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.stopping = threading.Event()
+        self.restarts = 0
+        self.process = self._start()
+        self.keeper = threading.Thread(target=self._keep_up, daemon=True, name="tracking-server")
+        self.keeper.start()
+
+    def _start(self) -> subprocess.Popen:
+        import urllib.request
+
+        env = {k: v for k, v in os.environ.items() if k not in (TRIAL_ENV, FAULT_ENV)}
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # (no job-runner processes: not used here)
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--backend-store-uri", f"sqlite:///{self.run_dir / 'mlflow.db'}",
+                   "--artifacts-destination", str(self.run_dir / "mlartifacts")]
+        with open(self.log, "a") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + self.start_timeout_s
+        while time.time() < deadline and process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return process
+            except OSError:
+                time.sleep(0.5)
+        self._kill(process)
+        raise RuntimeError(f"mlflow server on port {self.port} did not answer /health within "
+                           f"{self.start_timeout_s:.0f} s (log: {self.log})")
+
+    def _keep_up(self) -> None:
+        while not self.stopping.is_set():
+            if self.process.poll() is not None:  # killed by the fault: down a while, then up again
+                if self.stopping.wait(TRACKING_DOWN_S):
+                    return
+                self.process = self._start()
+                self.restarts += 1
+            self.stopping.wait(0.5)
+
+    @staticmethod
+    def _kill(process: subprocess.Popen) -> None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.keeper.join(timeout=self.start_timeout_s + 10)
+        self._kill(self.process)
 
 
 def processes_of(run_dir: Path) -> list[int]:
@@ -244,13 +311,23 @@ def main(argv=None) -> int:
         env = {**base_env, FAULT_ENV: spec, TRIAL_ENV: str(run_dir)}
         trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if "stop-engine" in kinds else [])
         started = time.time()
-        done = launch(args.config, run_dir, trial_overrides, env, ["--max-restarts", "2"])
-        how = "recovered in the job"
-        leftovers = left_behind(run_dir)  # whatever the fault, nothing of the job may outlive it
-        if done.returncode != 0 and "kill-launcher" in kinds:
-            done = launch(args.config, run_dir, trial_overrides, env, ["--resume"])
-            how = "launcher killed; started again with --resume"
-            leftovers += left_behind(run_dir)
+        server = None
+        if "kill-tracking" in kinds:  # the run logs to a real server that the fault kills and this tool restarts
+            run_dir.mkdir(parents=True, exist_ok=True)
+            server = TrackingServer(run_dir, run_dir.parent / f"{run_dir.name}.mlflow.log")
+            env[TRACKING_SERVER_PID_ENV] = str(server.process.pid)
+            trial_overrides = trial_overrides + [f"tracking.tracking_uri={server.uri}"]
+        try:
+            done = launch(args.config, run_dir, trial_overrides, env, ["--max-restarts", "2"])
+            how = "recovered in the job"
+            leftovers = left_behind(run_dir)  # whatever the fault, nothing of the job may outlive it
+            if done.returncode != 0 and "kill-launcher" in kinds:
+                done = launch(args.config, run_dir, trial_overrides, env, ["--resume"])
+                how = "launcher killed; started again with --resume"
+                leftovers += left_behind(run_dir)
+        finally:
+            if server is not None:
+                server.stop()
         text = (run_dir.parent / f"{run_dir.name}.log").read_text()
         if "starting it again from the newest checkpoint" in text:
             how = "job restarted by the launcher"
@@ -260,6 +337,8 @@ def main(argv=None) -> int:
                 how = "corrupt checkpoint skipped; " + how
         elif "[engine] " in text and "restarting" in text:
             how = "engine restarted"
+        elif server is not None:
+            how = f"tracking server killed, up again after {server.restarts} restart(s)"
         if not all((run_dir / f".fault_{f.spec()}").exists() for f in faults):
             how += " (a fault did not fire)"
         diffs = [f"job failed (status {done.returncode})"] if done.returncode != 0 else \

@@ -342,6 +342,9 @@ class TrackingConfig:
     tracking_uri: Optional[str] = None  # None: sqlite store inside the run folder
     experiment: str = "sparse-rl-mega"
     run_name: Optional[str] = None
+    # at the end of a job, how long to wait for a tracking store that does not take metrics before the
+    # unsent ones are left in <run_dir>/mlflow_unsent.jsonl (the next launch there sends them)
+    flush_timeout_s: float = 120.0
 
 
 @dataclass
@@ -544,6 +547,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     }
     for key, value in positive.items():
         _require(value > 0, source, key, f"must be > 0, got {value}")
+    _require(cfg.tracking.flush_timeout_s >= 0, source, "tracking.flush_timeout_s",
+             f"must be >= 0, got {cfg.tracking.flush_timeout_s}")
 
     _require(bool(cfg.model.path), source, "model.path", "required: an HF model folder (or where to create one)")
     _require(bool(d.train_path), source, "data.train_path", "required: a jsonl file of prompts and labels")

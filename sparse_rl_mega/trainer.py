@@ -167,7 +167,7 @@ class Trainer:
             from sparse_rl_mega.tracking import Tracker
 
             resume_run = (self.resumed_from or {}).get("mlflow_run_id")
-            self.tracker = Tracker(cfg, resume_run_id=resume_run)
+            self.tracker = Tracker(cfg, resume_run_id=resume_run, log=log)
             if self.tracker.enabled:
                 how = "continued" if self.tracker.continued else "started"
                 log(f"[setup] MLflow run {self.tracker.run_id} {how} at {self.tracker.tracking_uri}")
@@ -505,7 +505,11 @@ class Trainer:
     def close(self, ok: bool) -> None:
         clock = PhaseClock()
         if self.tracker is not None:
-            self.tracker.finish("FINISHED" if ok else "FAILED")
+            # a failed job waits less for a store that does not answer: the next launch sends the rest
+            wait_s = self.cfg.tracking.flush_timeout_s if ok else min(10.0, self.cfg.tracking.flush_timeout_s)
+            unsent = self.tracker.finish("FINISHED" if ok else "FAILED", wait_s)
+            if unsent:
+                log(unsent)
             clock.mark("MLflow")
         if self.fleet is not None and self.fleet.supervisor is not None:
             # an engine still starting (set-up failed) is shut down if it comes up soon; otherwise its

@@ -2,6 +2,7 @@
 machine and MLflow version, in the user's cache) instead of running MLflow's migrations per run; the
 seeded store works like one MLflow made itself."""
 import sqlite3
+import sys
 
 import mlflow
 
@@ -31,3 +32,105 @@ def test_seeded_store_equals_a_fresh_one_and_works(tmp_path, monkeypatch):
     seed_sqlite_store(f"sqlite:///{seeded}")
     assert seeded.read_bytes() == before
     seed_sqlite_store("http://127.0.0.1:5000")
+
+
+# ----------------------------------------------------------------- a tracking store that stops answering
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while not predicate():
+        assert time.time() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.1)
+
+
+def test_metrics_wait_for_a_server_that_went_away_and_none_is_lost(tmp_path, monkeypatch):
+    """A real ``mlflow server``: metrics go out while it answers; once it is gone, logging does not wait,
+    one line says so, and the values wait in order in the run folder; at the end what is unsent stays in
+    ``mlflow_unsent.jsonl`` with one line naming the way to send it, and tools/send_unsent_metrics.py
+    sends it to the store (here the server's own sqlite store), every value at its step, the run ended.
+    (A server that comes back during the run: the chaos trial of tests/test_overlap.py.)"""
+    import time
+
+    from sparse_rl_mega.config import load_config
+    from sparse_rl_mega.tracking import UNSENT_FILE, Tracker
+    from tests.conftest import ROOT, run_captured
+    from tools.chaos import TrackingServer
+
+    for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    server = TrackingServer(run_dir, tmp_path / "server.log")
+    lines: list[str] = []
+    cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml", [f"trainer.run_dir={run_dir}",
+                                                             f"tracking.tracking_uri={server.uri}"])
+    try:
+        tracker = Tracker(cfg, log=lines.append)
+        run_id, unsent = tracker.run_id, run_dir / UNSENT_FILE
+        tracker.log_metrics({"a": 0.5, "b": 1.0}, step=0)
+        _wait_for(lambda: not tracker.queue.pending, "step 0 sent")
+    finally:
+        server.stop()  # gone for good (its keeper starts it again only after a kill)
+    started = time.perf_counter()
+    for step in (1, 2, 3):
+        tracker.log_metrics({"a": step + 0.5, "b": step + 1.0}, step=step)
+    assert time.perf_counter() - started < 0.5, "logging waited for the store"
+    _wait_for(lambda: any("does not take metrics" in line for line in lines), "the line on the store")
+    assert [line for line in lines if "does not take metrics" in line] == [
+        f"[tracking] the MLflow store {server.uri} does not take metrics ([Errno 111] Connection refused): training "
+        f"goes on; metrics are kept in order ({unsent}) and sent when it answers again"]
+    assert '"step": 3' in unsent.read_text()
+    line = tracker.finish(wait_s=1.0)
+    assert line == (f"[tracking] the MLflow store {server.uri} still does not take metrics after 1 s: 6 values of steps "
+                    f"1-3 (and the end of run {run_id}) not sent, kept in {unsent}; the next launch in this run folder "
+                    f"sends them first, or: python tools/send_unsent_metrics.py {run_dir} --tracking-uri {server.uri}")
+    assert len(unsent.read_text().splitlines()) == 4
+    tool = [sys.executable, ROOT / "tools" / "send_unsent_metrics.py", run_dir]
+    refused = run_captured(tool + ["--tracking-uri", server.uri], 120)  # still down: the file stays
+    assert refused.returncode == 1 and "does not answer ([Errno 111] Connection refused)" in refused.stderr
+    assert len(unsent.read_text().splitlines()) == 4
+    store = f"sqlite:///{run_dir / 'mlflow.db'}"  # the server's store, reached without it
+    sent = run_captured(tool + ["--tracking-uri", store], 120)
+    assert sent.returncode == 0, sent.stderr[-2000:]
+    assert sent.stdout == f"sent 6 values of steps 1-3 (and the end of run {run_id}) to {store}\n"
+    assert not unsent.exists()
+    client = mlflow.MlflowClient(tracking_uri=store)
+    assert _history(client, run_id, "a") == [(0, 0.5), (1, 1.5), (2, 2.5), (3, 3.5)]
+    assert _history(client, run_id, "b") == [(0, 1.0), (1, 2.0), (2, 3.0), (3, 4.0)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_the_next_launch_sends_what_an_earlier_job_left_unsent_first(tmp_path, monkeypatch):
+    import json
+
+    from sparse_rl_mega.config import load_config
+    from sparse_rl_mega.tracking import UNSENT_FILE, Tracker
+    from tests.conftest import ROOT
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml", [f"trainer.run_dir={tmp_path}"])
+    first = Tracker(cfg)
+    earlier = first.run_id
+    first.finish()  # (its store answered; the file stands for what one that did not left behind)
+    entries = [{"run_id": earlier, "step": 4, "timestamp": 1000, "metrics": {"a": 4.5}},
+               {"run_id": earlier, "step": 5, "timestamp": 2000, "metrics": {"a": 5.5}},
+               {"run_id": earlier, "status": "FAILED"}]
+    (tmp_path / UNSENT_FILE).write_text("".join(json.dumps(e) + "\n" for e in entries) + '{"run_id": "cut')
+    lines: list[str] = []
+    second = Tracker(cfg, resume_run_id=earlier, log=lines.append)
+    second.log_metrics({"a": 6.5}, step=6)
+    assert second.finish() is None
+    assert lines == [f"[tracking] 2 values of steps 4-5 (and the end of run {earlier}) left unsent by an earlier "
+                     f"job ({tmp_path / UNSENT_FILE}): sending them first"]
+    assert not (tmp_path / UNSENT_FILE).exists()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert _history(client, earlier, "a") == [(4, 4.5), (5, 5.5), (6, 6.5)]
+    assert client.get_run(earlier).info.status == "FINISHED"  # (the resumed run's end comes last)

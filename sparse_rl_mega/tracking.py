@@ -89,13 +89,18 @@ MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQ
 
 
 def why_unreachable(exc: BaseException) -> str:
-    """The cause in a few words (``[Errno 111] Connection refused``) instead of MLflow's and urllib3's
-    nested messages."""
-    text = str(exc)
+    """The cause in a few words (``[Errno 111] Connection refused``), from the innermost exception
+    behind MLflow's and urllib3's wrappers, whose messages nest every layer's."""
+    inner, seen = exc, 0
+    while (inner.__cause__ or inner.__context__) is not None and seen < 10:
+        inner, seen = inner.__cause__ or inner.__context__, seen + 1
+    text = str(inner)
     found = re.search(r"\[Errno -?\d+\][^'\"),]*", text)
     if found:
         return found.group(0).strip()
-    return (text.strip().splitlines() or [type(exc).__name__])[0][:160]
+    if inner is exc:
+        return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+    return f"{type(inner).__name__}: {text.strip()[:160]}" if text.strip() else type(inner).__name__
 
 
 class MetricQueue:

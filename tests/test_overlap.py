@@ -13,7 +13,10 @@ one learner rank and one separate engine, dense sampling (so that any gap betwee
   1-4 and every tensor of iteration 4's checkpoint equal the uninterrupted K = 1 run's. Then the
   engine is SIGKILLed while it generates iteration 5's batch during iteration 4's training: it is
   restarted with the learner's newest weights and samples that batch again, which is then fresh
-  (staleness 0) where the uninterrupted run's was one version old.
+  (staleness 0) where the uninterrupted run's was one version old. The run logs to a real ``mlflow
+  server`` that is killed as iteration 4's rollout starts (after the restart) and started again 5 s later:
+  training goes on meanwhile, the values logged while it was down are sent when it answers, and none is
+  missing (chaos compares every metric of every iteration).
 
 The uninterrupted run is made by ``tools/bench_overlap.py --staleness 1`` and the faulted one by
 ``tools/chaos.py --fault ... --reference`` (each tool's smallest real use, at no extra launch).
@@ -89,7 +92,7 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
     difference (iteration 5's batch is fresh), nothing else, and no process left behind."""
     run_dir, _ = overlapped
     out = overlap_config.parent / "chaos"
-    faults = "kill-rank0@train:3+0.1,kill-engine@train:4+0.05"
+    faults = "kill-rank0@train:3+0.1,kill-engine@train:4+0.05,kill-tracking@rollout:4+0"
     done = run_tool(ROOT / "tools" / "chaos.py", overlap_config, "--reference", run_dir,
                     "--fault", faults, "--out", out, *[f"--set={o}" for o in SEPARATE + OVERRIDES],
                     f"--set=trainer.iterations={ITERATIONS}", timeout=600)
@@ -110,6 +113,12 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
     assert "[engine] every engine restarted and given weights version 4" in proc.stdout  # (one weight group)
     assert re.search(r"every engine restarted .*; forked from this process\)", proc.stdout)  # (rollout/forkserver.py)
     assert (resumed[4]["rollout/weight_version"], resumed[4]["rollout/staleness_max"]) == (4, 0)
+    # the tracking server killed at iteration 4 and started again: the values waited and were sent late
+    # (the first failed request: refused, or one cut as the server died)
+    assert re.search(r"\[tracking\] the MLflow store http://127.0.0.1:\d+ does not take metrics \(\S.*\): training "
+                     r"goes on", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"\[tracking\] the MLflow store http://127.0.0.1:\d+ answers again after \d+ s: sent \d+ values "
+                     r"of steps? \d", proc.stdout), proc.stdout[-3000:]
     assert uninterrupted[4]["rollout/weight_version"] == 3
 
 

@@ -76,9 +76,12 @@ SET_AFTER_PRELOAD = frozenset({
     # ``set_tracking_uri``) and telemetry session (set as its client starts, unless
     # MLFLOW_DISABLE_TELEMETRY), which no engine process imports; the tracker's telemetry opt-outs
     # (``tracking.py``: set while a background engine start launches its processes, they made its
-    # detokenizer a spawned interpreter whenever the launching shell had not exported them)
+    # detokenizer a spawned interpreter whenever the launching shell had not exported them) and its
+    # bounds on one HTTP request to a tracking server, read by MLflow's client at each request (set
+    # after the engine started, they made an engine restarted later a spawned one)
     "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI", "_MLFLOW_TELEMETRY_SESSION_ID",
-    "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"})
+    "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT"})
 
 
 class EngineProcess(ForkServerProcess):

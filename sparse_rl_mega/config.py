@@ -334,6 +334,12 @@ class TrainerConfig:
     # an optimizer step whose loss or gradient norm is NaN/Inf is skipped (weights and optimizer state
     # unchanged, counted in train/skipped_steps); this many skipped steps in a row stop the job
     max_consecutive_skips: int = 3
+    # the learner's watchdog (sparse_rl_mega/watchdog.py): the job is stopped when no rank has made
+    # progress for max(watchdog_floor_s, watchdog_factor x the longest time of the phase a rank is in);
+    # watchdog_first_s in a phase not completed before (None: rollout.startup_timeout_s + 300); 0: off
+    watchdog_floor_s: float = 180.0
+    watchdog_factor: float = 5.0
+    watchdog_first_s: Optional[float] = None
 
 
 @dataclass
@@ -549,6 +555,10 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         _require(value > 0, source, key, f"must be > 0, got {value}")
     _require(cfg.tracking.flush_timeout_s >= 0, source, "tracking.flush_timeout_s",
              f"must be >= 0, got {cfg.tracking.flush_timeout_s}")
+    _require(t.watchdog_floor_s >= 0, source, "trainer.watchdog_floor_s", f"must be >= 0 (0: no watchdog), got {t.watchdog_floor_s}")
+    _require(t.watchdog_factor >= 1, source, "trainer.watchdog_factor", f"must be >= 1, got {t.watchdog_factor}")
+    _require(t.watchdog_first_s is None or t.watchdog_first_s > 0, source, "trainer.watchdog_first_s",
+             f"must be > 0, got {t.watchdog_first_s}")
 
     _require(bool(cfg.model.path), source, "model.path", "required: an HF model folder (or where to create one)")
     _require(bool(d.train_path), source, "data.train_path", "required: a jsonl file of prompts and labels")

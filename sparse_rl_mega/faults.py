@@ -8,7 +8,8 @@ sync, checkpoint; ``push``: the weight push itself, after the sync's logprob che
 ``<run_dir>/.fault_<spec>`` keeps a restarted job from firing it again). Faults:
 
 * ``kill-engine`` / ``stop-engine``: SIGKILL / SIGSTOP engine 0's scheduler (its host does it);
-* ``kill-rank<R>``: rank R sends itself SIGKILL;
+* ``kill-rank<R>`` / ``stop-rank<R>``: rank R sends itself SIGKILL / SIGSTOP (a stopped rank: the
+  learner's watchdog must find it, ``sparse_rl_mega/watchdog.py``);
 * ``kill-launcher``: rank 0 sends SIGKILL to the launcher (``tools/launch.py``) that started the job;
 * ``full-disk``: rank 0's next checkpoint write fails inside Megatron's writer with the operating
   system's ``OSError(ENOSPC)`` (as on a full disk; use it at the ``checkpoint`` phase; no delay);
@@ -33,7 +34,8 @@ FAULT_ENV = "SPARSE_RL_MEGA_FAULT"
 LAUNCHER_PID_ENV = "SPARSE_RL_MEGA_LAUNCHER_PID"
 TRACKING_SERVER_PID_ENV = "SPARSE_RL_MEGA_TRACKING_SERVER_PID"
 PHASES = ("rollout", "train", "sync", "push", "checkpoint")
-_PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|kill-launcher|full-disk|corrupt-checkpoint|kill-tracking)"
+_PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|stop-rank\d+|kill-launcher|full-disk|corrupt-checkpoint|"
+                      r"kill-tracking)"
                       r"@(\w+):(\d+)(?:\+([0-9.]+))?$")
 
 
@@ -55,7 +57,7 @@ def parse_faults(text: str) -> list[Fault]:
 def parse_fault(text: str) -> Fault:
     match = _PATTERN.match(text.strip())
     if not match or match.group(2) not in PHASES:
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected <kill-engine|stop-engine|kill-rank<R>|kill-launcher|"
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected <kill-engine|stop-engine|kill-rank<R>|stop-rank<R>|kill-launcher|"
                          f"full-disk|corrupt-checkpoint|kill-tracking>"
                          f"@<{'|'.join(PHASES)}>:<iteration>[+<delay_s>]")
     return Fault(match.group(1), match.group(2), int(match.group(3)), float(match.group(4) or 0.0))
@@ -92,8 +94,9 @@ class FaultInjector:
         if what in ("kill-engine", "stop-engine"):
             pid = self.engine_pid()  # only engine 0's host has one
             return None if pid is None else (pid, signal.SIGKILL if what == "kill-engine" else signal.SIGSTOP)
-        if what.startswith("kill-rank"):
-            return (os.getpid(), signal.SIGKILL) if int(what[len("kill-rank"):]) == self.rank else None
+        if what.startswith(("kill-rank", "stop-rank")):
+            sig = signal.SIGKILL if what.startswith("kill") else signal.SIGSTOP
+            return (os.getpid(), sig) if int(what[len("kill-rank"):]) == self.rank else None
         if what == "kill-tracking":
             server = os.environ.get(TRACKING_SERVER_PID_ENV)
             return (-int(server), signal.SIGKILL) if self.rank == 0 and server else None  # (its process group)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.config import RunConfig
+from sparse_rl_mega import watchdog
 from sparse_rl_mega.jobs import JobWideError
 
 
@@ -38,7 +39,9 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str):
         start, wall = time.perf_counter(), time.time()
+        watchdog.enter(name)
         yield
+        watchdog.leave(name)
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
         self.spans.append((name, wall, time.time()))
 
@@ -62,6 +65,7 @@ class PhaseClock:
         now = time.time()
         self.phases[name] = self.phases.get(name, 0.0) + now - self.last
         self.last = now
+        watchdog.beat()  # (a start-up step done)
 
     def line(self) -> str:
         parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases.items() if seconds >= 0.05)
@@ -370,6 +374,7 @@ class Trainer:
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
             timer = PhaseTimer()
             started = time.perf_counter()
+            watchdog.at_iteration(iteration)
             self.fleet.restarts = 0
             self.faults.at("rollout", iteration)
             sampled = self.rollouts.take(iteration, timer)
@@ -503,6 +508,7 @@ class Trainer:
                                     f"checkpoint under {self.checkpoint_dir()} is the last good state")
 
     def close(self, ok: bool) -> None:
+        watchdog.stop()  # (shutting down waits for the tracking store and the engines, with bounds of their own)
         clock = PhaseClock()
         if self.tracker is not None:
             # a failed job waits less for a store that does not answer: the next launch sends the rest
@@ -625,6 +631,7 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
 
         preload_cpu_engines()
     dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
+    watchdog.start(cfg, rank, dist.get_world_size())
     trainer = Trainer(cfg, launched_at)
     ok = job_wide = False
     try:

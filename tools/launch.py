@@ -149,6 +149,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from sparse_rl_mega import watchdog
     from sparse_rl_mega.faults import LAUNCHER_PID_ENV
     from sparse_rl_mega.forked_ranks import run_on_this_node, start_job_rank_server
     from sparse_rl_mega.jobs import (LOCK_HELD_ENV, FolderLocked, clear_earlier_run, earlier_run, earlier_run_problem,
@@ -188,10 +189,13 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
                 rank, failure = exc.get_first_failure()
                 how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                        else f"exited with status {failure.exitcode}")
+                what = f"the job failed: rank {rank} {how}"
+                if any(f.exitcode == watchdog.EXIT_STATUS for f in exc.failures.values()):
+                    what = "the job was stopped by its watchdog (the [watchdog] line above names the rank)"
                 left = args.max_restarts - attempt
                 then = (f"; starting it again from the newest checkpoint ({left} restart(s) left)" if left
                         else "; no restarts left (--max-restarts)" if args.max_restarts else "")
-                print(f"[launch] the job failed: rank {rank} {how}{then}", file=sys.stderr, flush=True)
+                print(f"[launch] {what}{then}", file=sys.stderr, flush=True)
                 if not left:
                     return 1
                 overrides.append("checkpoint.resume=auto")

@@ -24,6 +24,7 @@ import torch
 
 from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
                                      cuda_graphs_allowed, records_queries, side_buffer_bytes)
+from sparse_rl_mega import watchdog
 from sparse_rl_mega.kv.policies import build_policy
 from sparse_rl_mega.rollout import forkserver
 
@@ -614,6 +615,7 @@ class RolloutEngine:
             reason = self._health(started)
             if reason is not None:
                 self._fail(phase, reason)
+            watchdog.beat()  # an engine that answers within rollout.engine_timeout_s is progress
 
     def _call(self, phase: str, fn: Callable, *args, **kwargs):
         return self._wait(phase, self._submit(fn, *args, **kwargs))
@@ -746,8 +748,11 @@ class EngineStart:
         self._stopped.wait()
 
     def result(self, timeout_s: float) -> RolloutEngine:
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"the SGLang engine did not come up within {timeout_s:.0f} s")
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(min(1.0, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the SGLang engine did not come up within {timeout_s:.0f} s")
+            watchdog.beat()  # (a start within its bound is progress)
         if self.error is not None:
             raise RuntimeError(f"the SGLang engine failed to start: {self.error}") from self.error
         return self.engine

@@ -17,7 +17,8 @@ host (a stopped process would hold torchrun's agent for its 30 s stop timeout), 
 A rank's bound in a phase it has completed before is ``max(floor, factor x the longest time that phase
 took)`` (``trainer.watchdog_floor_s``, ``trainer.watchdog_factor``); in a phase it has not completed
 yet (set-up, the first checkpoint, the first evaluation, a first compile) it is
-``trainer.watchdog_first_s``. The learner's collectives keep the process group's timeout as their
+``trainer.watchdog_first_s``. Between the named phases of the loop a rank is in phase ``iteration``,
+bounded by the longest iteration so far. The learner's collectives keep the process group's timeout as their
 outer bound: gloo and NCCL take one timeout when the group is made, and it must cover a rank that waits
 for another one's engine restart (``rollout.startup_timeout_s``).
 """
@@ -77,8 +78,13 @@ class Watchdog:
 
     # ---------------------------------------------------------------- called by the training loop
     def at_iteration(self, iteration: int) -> None:
-        """The loop starts ``iteration`` (0-based)."""
+        """The loop starts ``iteration`` (0-based): between named phases a rank is in phase
+        ``iteration``, bounded by the longest iteration so far (the one before is measured here)."""
         with self.lock:
+            now = self.clock()
+            if self.phase == "iteration" and not self.outer:
+                self.longest["iteration"] = max(self.longest.get("iteration", 0.0), now - self.phase_started)
+            self.phase, self.phase_started, self.outer = "iteration", now, []
             self.iteration = iteration
             self.progress += 1
 
@@ -89,7 +95,8 @@ class Watchdog:
             self.progress += 1
 
     def leave(self, phase: str) -> None:
-        """``phase`` (the one entered last) ended: its duration counts towards its bound."""
+        """``phase`` (the one entered last) ended: its duration counts towards its bound, and the rank
+        is back in the phase around it."""
         with self.lock:
             took = self.clock() - self.phase_started
             self.longest[phase] = max(self.longest.get(phase, 0.0), took)

@@ -141,7 +141,10 @@ def test_full_disk_during_a_checkpoint_then_the_restart_continues_exactly(e2e_ru
     checkpoint writer fails with the operating system's ENOSPC while it writes iteration 2's shards (the
     fault module raises it inside Megatron's writer, as a full disk does): one line for the job naming the
     folder, the cause and the free space; the partial folder is removed, iteration 1's checkpoint kept;
-    the launcher's restart resumes from it and iteration 3 equals the uninterrupted run's bit for bit."""
+    the launcher's restart resumes from it. There rank 1 is stopped (SIGSTOP) as it trains iteration 3:
+    the watchdog names it within its bound (at least trainer.watchdog_floor_s=8, 5 x the longest
+    iteration) and stops the job; the second restart resumes from iteration 2's checkpoint and iteration 3 equals
+    the uninterrupted run's bit for bit."""
     from sparse_rl_mega.learner.checkpoint import complete_checkpoints, verify
 
     full_dir, _ = e2e_run
@@ -150,8 +153,8 @@ def test_full_disk_during_a_checkpoint_then_the_restart_continues_exactly(e2e_ru
     stray.mkdir(parents=True)
     (run_dir / "timeline.jsonl").write_text("{}\n")
     config = write_test_config(tmp_path / "disk.yaml", tiny_model_dir, run_dir)
-    done = run_launch(config, "--overwrite", "--max-restarts", "1", timeout=600,
-                      env={"SPARSE_RL_MEGA_FAULT": "full-disk@checkpoint:2"})
+    done = run_launch(config, "--overwrite", "--max-restarts", "2", "--set=trainer.watchdog_floor_s=8", timeout=600,
+                      env={"SPARSE_RL_MEGA_FAULT": "full-disk@checkpoint:2,stop-rank1@train:3"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert f"[launch] --overwrite: removed checkpoints iter_0000009 in {run_dir / 'checkpoints'}; timeline.jsonl" \
         in done.stdout, done.stdout[:3000]
@@ -165,6 +168,15 @@ def test_full_disk_during_a_checkpoint_then_the_restart_continues_exactly(e2e_ru
     assert "Traceback" not in done.stderr and "encountered an error" not in done.stderr, done.stderr[-3000:]
     assert "[launch] the job failed: rank" in done.stderr and "starting it again from the newest checkpoint" in done.stderr
     assert f"resumed from {folder / 'iter_0000001'} (iteration 1 of MLflow run " in done.stdout
+    (found,) = [line for line in done.stderr.splitlines() if line.startswith("[watchdog]")]
+    quiet, bound, stopped_for = re.match(  # (stopped after iteration 3's rollout: in its own phase or between two)
+        r"\[watchdog\] no rank has made progress for (\d+) s \(bound (\d+) s: [^)]+, rank \d\): rank 1 \(host \S+, "
+        r"pid \d+\) has not run for (\d+) s \(its process is stopped or frozen\), in phase \w+ of iteration 3; "
+        r"stopping the job$", found).groups()
+    assert 8 <= int(bound) <= int(quiet) <= int(bound) + 3 and int(stopped_for) <= int(bound) + 3, found
+    assert "[launch] the job was stopped by its watchdog (the [watchdog] line above names the rank); starting it " \
+           "again" in done.stderr
+    assert f"resumed from {folder / 'iter_0000002'} (iteration 2 of MLflow run " in done.stdout
     assert [p.name for p in complete_checkpoints(folder)] == ["iter_0000002", "iter_0000003"]  # keep_last 2
     assert all(verify(p) is None for p in complete_checkpoints(folder))
     assert _metrics_at(run_dir, 2) == _metrics_at(full_dir, 2)

@@ -63,24 +63,24 @@ def test_quiet_while_any_rank_progresses_or_a_phase_runs_for_the_first_time(tmp_
 
 def test_a_stopped_rank_is_named_once_when_nothing_progresses_for_the_bound(tmp_path):
     job = Job(tmp_path)
-    for iteration in range(2):
+    for iteration in range(3):
         for w in job.ranks:
             w.at_iteration(iteration)
         job.phase("rollout", 2)
-        job.phase("train", 3)
+        job.phase("train", 1)
     for w in job.ranks:
-        w.at_iteration(2)
-        w.enter("train")
+        w.at_iteration(3)  # (iterations 1-3 took 3 s each, between their phases)
+    job.ranks[0].enter("rollout")
     job.run(1)
-    job.running.discard(1)  # SIGSTOP: rank 1 neither works nor publishes; rank 0 waits in a collective
-    job.run(15)  # bound: 5 x the longest train (3 s) = 15 s, more than the floor
+    job.running.discard(1)  # SIGSTOP between two phases: rank 1 neither works nor publishes
+    job.run(15)  # bound: 5 x the longest iteration (3 s) = 15 s, more than the floor
     assert job.stopped == []
     job.run(2)
     assert job.stopped == [EXIT_STATUS] and len(job.lines) == 1, job.lines
     host, pid = job.ranks[1].host, job.ranks[1].pid
-    assert job.lines[0] == (f"[watchdog] no rank has made progress for 16 s (bound 15 s: 5 x the longest train so far, "
-                            f"3.0 s, rank 0): rank 1 (host {host}, pid {pid}) has not run for 16 s (its process is "
-                            f"stopped or frozen), in phase train of iteration 3; stopping the job")
+    assert job.lines[0] == (f"[watchdog] no rank has made progress for 16 s (bound 15 s: 5 x the longest iteration so far, "
+                            f"3.0 s, rank 1): rank 1 (host {host}, pid {pid}) has not run for 16 s (its process is "
+                            f"stopped or frozen), in phase iteration of iteration 4; stopping the job")
     assert (tmp_path / "logs" / "watchdog.log").read_text().endswith(job.lines[0] + "\n")
     job.running.add(1)  # the other monitor sees the same; the verdict is claimed once
     job.run(3)

@@ -6,6 +6,8 @@ run ends.
 
 The config runs once uninterrupted, then ``--trials`` times with one fault drawn at random (seeded):
 SIGKILL of engine 0's scheduler, SIGSTOP of it (a hang), SIGKILL of one learner rank or of the launcher,
+SIGSTOP of one learner rank (from iteration 2 on: the learner's watchdog must find it and stop the job,
+``trainer.watchdog_floor_s=10`` in such a trial),
 during the rollout, the training, the weight push or the checkpoint save of a random iteration
 (``sparse_rl_mega/faults.py`` fires it inside the job at that point); a full disk while a checkpoint
 is written (the writer's ENOSPC: the job stops with one line, the launcher restarts it); a corrupt
@@ -49,11 +51,12 @@ if str(ROOT) not in sys.path:
 from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
 from sparse_rl_mega.faults import FAULT_ENV, TRACKING_SERVER_PID_ENV, Fault, parse_faults  # noqa: E402
 
-TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "kill-launcher", "full-disk", "corrupt-checkpoint",
-           "kill-tracking"]
+TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1", "kill-launcher",
+           "full-disk", "corrupt-checkpoint", "kill-tracking"]
 PHASES = ["rollout", "train", "push", "checkpoint"]
 NOT_COMPARED = ("time/", "engine/restarts", "sync/pre_sync_")
 HANG_TIMEOUT_S = 10  # rollout.engine_timeout_s in the trials: a stopped engine is found within this
+WATCHDOG_FLOOR_S = 10  # trainer.watchdog_floor_s in the trials: a stopped learner rank is found within about this
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +88,7 @@ def draw_faults(n: int, iterations: int, world: int, seed: int) -> list[Fault]:
     """``n`` faults, targets taken in turn from a shuffled cycle (so that few trials still cover every
     kind), phase, iteration and delay at random."""
     rng = random.Random(seed)
-    targets = [t for t in TARGETS if not t.startswith("kill-rank") or int(t[len("kill-rank"):]) < world]
+    targets = [t for t in TARGETS if not t.startswith(("kill-rank", "stop-rank")) or int(t[len("kill-rank"):]) < world]
     order: list[str] = []
     while len(order) < n:
         cycle = targets[:]
@@ -96,11 +99,16 @@ def draw_faults(n: int, iterations: int, world: int, seed: int) -> list[Fault]:
 
 def _fault(what: str, iterations: int, rng: random.Random) -> Fault:
     """A fault at a random point; a full disk when a checkpoint is written; a corrupt checkpoint from
-    iteration 3 on (the newest is cut, the one before it must exist to resume from)."""
+    iteration 3 on (the newest is cut, the one before it must exist to resume from); a stopped learner
+    rank from iteration 2 on (in iteration 1 every phase is a first one, whose bound is
+    trainer.watchdog_first_s: 35 min)."""
     if what == "full-disk":
         return Fault(what, "checkpoint", rng.randint(1, iterations))
     if what == "corrupt-checkpoint":
         return Fault(what, rng.choice(PHASES), rng.randint(min(3, iterations), iterations))
+    if what.startswith("stop-rank"):
+        return Fault(what, rng.choice(PHASES), rng.randint(min(2, iterations), iterations),
+                     round(rng.uniform(0.0, 0.5), 2))
     return Fault(what, rng.choice(PHASES), rng.randint(1, iterations), round(rng.uniform(0.0, 0.5), 2))
 
 
@@ -309,7 +317,8 @@ def main(argv=None) -> int:
         spec = ",".join(f.spec() for f in faults)
         kinds = {f.what for f in faults}
         env = {**base_env, FAULT_ENV: spec, TRIAL_ENV: str(run_dir)}
-        trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if "stop-engine" in kinds else [])
+        trial_overrides = overrides + ([f"rollout.engine_timeout_s={HANG_TIMEOUT_S}"] if "stop-engine" in kinds else []) \
+            + ([f"trainer.watchdog_floor_s={WATCHDOG_FLOOR_S}"] if any(k.startswith("stop-rank") for k in kinds) else [])
         started = time.time()
         server = None
         if "kill-tracking" in kinds:  # the run logs to a real server that the fault kills and this tool restarts
@@ -331,6 +340,8 @@ def main(argv=None) -> int:
         text = (run_dir.parent / f"{run_dir.name}.log").read_text()
         if "starting it again from the newest checkpoint" in text:
             how = "job restarted by the launcher"
+            if "[watchdog] " in text:
+                how = "stopped by the watchdog; " + how
             if "not saved: " in text:
                 how = "checkpoint not saved; " + how
             if "skipped: it does not verify" in text:

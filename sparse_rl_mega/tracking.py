@@ -98,6 +98,9 @@ def why_unreachable(exc: BaseException) -> str:
     found = re.search(r"\[Errno -?\d+\][^'\"),]*", text)
     if found:
         return found.group(0).strip()
+    found = re.search(r"\w+Error\((\d+), '([^']+)'\)", text)  # (urllib3 quotes an OSError by its repr)
+    if found:
+        return f"[Errno {found.group(1)}] {found.group(2)}"
     if inner is exc:
         return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
     return f"{type(inner).__name__}: {text.strip()[:160]}" if text.strip() else type(inner).__name__

@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega import watchdog
+from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.jobs import JobWideError
 
 
@@ -40,7 +40,11 @@ class PhaseTimer:
     def phase(self, name: str):
         start, wall = time.perf_counter(), time.time()
         watchdog.enter(name)
-        yield
+        try:
+            yield
+        except BaseException:
+            watchdog.leave(name, completed=False)  # (a failed phase's time is no measure of the phase)
+            raise
         watchdog.leave(name)
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
         self.spans.append((name, wall, time.time()))

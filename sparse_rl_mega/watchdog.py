@@ -8,7 +8,7 @@ progress: every poll of an engine that answers, the wait for an engine's start),
 (the thread's own: it stops when the process does not run: SIGSTOP, a frozen host) and its current
 bound. Two ranks (the first and the last) read every record each second and note, on their own
 clock, when each counter last changed. When no rank has made progress for longer than the largest
-bound any rank published, the job is stuck: the rank to blame is one whose heartbeat stopped (the
+bound that a running rank published (a rank whose heartbeat stopped holds no one up), the job is stuck: the rank to blame is one whose heartbeat stopped (the
 oldest), else the one whose progress is oldest (the others wait for it in a collective). The first
 monitor to claim the verdict in the store prints it, kills the rank to blame when it runs on its own
 host (a stopped process would hold torchrun's agent for its 30 s stop timeout), and exits with
@@ -87,6 +87,7 @@ class Watchdog:
             self.phase, self.phase_started, self.outer = "iteration", now, []
             self.iteration = iteration
             self.progress += 1
+        self._publish()  # (now: a rank stopped in the next second must not be named with the iteration before)
 
     def enter(self, phase: str) -> None:
         with self.lock:
@@ -94,12 +95,13 @@ class Watchdog:
             self.phase, self.phase_started = phase, self.clock()
             self.progress += 1
 
-    def leave(self, phase: str) -> None:
-        """``phase`` (the one entered last) ended: its duration counts towards its bound, and the rank
-        is back in the phase around it."""
+    def leave(self, phase: str, completed: bool = True) -> None:
+        """``phase`` (the one entered last) ended: its duration counts towards its bound when it
+        ``completed``, and the rank is back in the phase around it."""
         with self.lock:
-            took = self.clock() - self.phase_started
-            self.longest[phase] = max(self.longest.get(phase, 0.0), took)
+            if completed:
+                took = self.clock() - self.phase_started
+                self.longest[phase] = max(self.longest.get(phase, 0.0), took)
             if self.outer:
                 self.phase, self.phase_started = self.outer.pop()
             self.progress += 1
@@ -134,7 +136,9 @@ class Watchdog:
         while not self.stopping.wait(HEARTBEAT_S):
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 (the store went away: the job is ending; its own errors say why)
+            except Exception as exc:  # noqa: BLE001 (the store went away, or a bug: said once, never silent)
+                if not self.stopping.is_set():
+                    self.report(f"[watchdog] rank {self.rank}: no longer watching ({type(exc).__name__}: {exc})")
                 return
 
     def tick(self) -> Optional[str]:
@@ -142,10 +146,7 @@ class Watchdog:
         stuck. Returns the verdict line when this rank stopped the job (tests), else None."""
         with self.lock:
             self.beats += 1
-            bound, why = self.bound()
-            record = {"phase": self.phase, "iteration": self.iteration, "progress": self.progress,
-                      "beats": self.beats, "bound": bound, "why": why, "host": self.host, "pid": self.pid}
-        self.store.set(f"rank{self.rank}", json.dumps(record))
+        self._publish(strict=True)
         if not self.monitor or self.stopping.is_set():
             return None
         verdict = self.check()
@@ -156,6 +157,18 @@ class Watchdog:
             return None  # the other monitor claimed it first: it reports and stops the job
         self._stop_job(line, culprit)
         return line
+
+    def _publish(self, strict: bool = False) -> None:
+        """This rank's record to the store (from the loop: errors ignored, the thread reports none)."""
+        with self.lock:
+            bound, why = self.bound()
+            record = {"phase": self.phase, "iteration": self.iteration, "progress": self.progress,
+                      "beats": self.beats, "bound": bound, "why": why, "host": self.host, "pid": self.pid}
+        try:
+            self.store.set(f"rank{self.rank}", json.dumps(record))
+        except Exception:  # noqa: BLE001 (the store went away: the job is ending)
+            if strict:
+                raise
 
     def check(self) -> Optional[tuple[str, dict]]:
         """(the verdict line, the record of the rank to blame) when no rank has made progress within the
@@ -178,7 +191,10 @@ class Watchdog:
         if len(self.seen) < self.world_size:
             return None
         quiet = now - max(s.progress_changed_at for s in self.seen.values())
-        widest = max(self.seen.items(), key=lambda item: item[1].record["bound"])
+        # a rank that does not run holds no one up with its bound (its last record may be older than the
+        # phase it stopped in: a first-time bound of 35 min kept a stopped rank's job waiting)
+        running = {r: s for r, s in self.seen.items() if now - s.beats_changed_at <= NOT_RUNNING_S}
+        widest = max((running or self.seen).items(), key=lambda item: item[1].record["bound"])
         bound, why = widest[1].record["bound"], widest[1].record["why"]
         if quiet <= bound:
             return None
@@ -259,9 +275,9 @@ def enter(phase: str) -> None:
         _current.enter(phase)
 
 
-def leave(phase: str) -> None:
+def leave(phase: str, completed: bool = True) -> None:
     if _current is not None:
-        _current.leave(phase)
+        _current.leave(phase, completed)
 
 
 def beat() -> None:

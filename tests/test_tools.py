@@ -4,7 +4,8 @@ check's CPU verdict, and one real call of the weight-sync and rollout benchmarks
 Elsewhere: launch.py (tests/conftest.py: run_launch, e2e_run), prepare_model.py (tests/test_learner.py), prepare_data.py
 (tests/test_data_math.py), evaluate.py (tests/test_evaluate.py), export_hf.py (tests/test_export_hf.py,
 tests/test_resume.py), ablation.py (tests/test_ablation.py), bench_overlap.py and chaos.py with a chosen
-fault (tests/test_overlap.py), setup_env.sh (every run: `make test` builds the venv with it)."""
+fault (tests/test_overlap.py), send_unsent_metrics.py (tests/test_tracking.py), setup_env.sh (every run: `make
+test` builds the venv with it)."""
 import json
 import sys
 
@@ -21,7 +22,7 @@ RUN_BY = {
     "export_hf.py": "tests/test_export_hf.py", "gpu_check.sh": "tests/test_tools.py",
     "launch.py": "tests/conftest.py", "make_arith_data.py": "tests/test_tools.py",
     "prepare_data.py": "tests/test_data_math.py", "prepare_model.py": "tests/test_learner.py",
-    "setup_env.sh": "Makefile",
+    "send_unsent_metrics.py": "tests/test_tracking.py", "setup_env.sh": "Makefile",
 }
 
 

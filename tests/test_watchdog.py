@@ -70,17 +70,17 @@ def test_a_stopped_rank_is_named_once_when_nothing_progresses_for_the_bound(tmp_
         job.phase("train", 1)
     for w in job.ranks:
         w.at_iteration(3)  # (iterations 1-3 took 3 s each, between their phases)
-    job.ranks[0].enter("rollout")
-    job.run(1)
-    job.running.discard(1)  # SIGSTOP between two phases: rank 1 neither works nor publishes
-    job.run(15)  # bound: 5 x the longest iteration (3 s) = 15 s, more than the floor
+    job.ranks[1].enter("checkpoint")  # a phase it never completed: its record's bound is watchdog_first_s
+    job.ranks[1].tick()
+    job.running.discard(1)  # SIGSTOP: rank 1 neither works nor publishes; its bound holds no one up
+    job.run(15)  # bound: rank 0's, 5 x its longest iteration (3 s) = 15 s, more than the floor
     assert job.stopped == []
     job.run(2)
     assert job.stopped == [EXIT_STATUS] and len(job.lines) == 1, job.lines
     host, pid = job.ranks[1].host, job.ranks[1].pid
     assert job.lines[0] == (f"[watchdog] no rank has made progress for 16 s (bound 15 s: 5 x the longest iteration so far, "
-                            f"3.0 s, rank 1): rank 1 (host {host}, pid {pid}) has not run for 16 s (its process is "
-                            f"stopped or frozen), in phase iteration of iteration 4; stopping the job")
+                            f"3.0 s, rank 0): rank 1 (host {host}, pid {pid}) has not run for 16 s (its process is "
+                            f"stopped or frozen), in phase checkpoint of iteration 4; stopping the job")
     assert (tmp_path / "logs" / "watchdog.log").read_text().endswith(job.lines[0] + "\n")
     job.running.add(1)  # the other monitor sees the same; the verdict is claimed once
     job.run(3)

@@ -228,6 +228,16 @@ class Watchdog:
         self.stop_process(EXIT_STATUS)
 
 
+def fired_since(run_dir: str, since: float) -> bool:
+    """Whether a watchdog of the job in ``run_dir`` stopped it after ``since`` (``time.time()``): the
+    launcher's test (the rank it killed may be the failure torchrun's agent saw first)."""
+    log = Path(run_dir) / "logs" / "watchdog.log"
+    try:
+        return log.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
 def _print_error(line: str) -> None:
     from sparse_rl_mega.jobs import print_error
 

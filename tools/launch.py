@@ -181,6 +181,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
         for attempt in range(args.max_restarts + 1):
             if attempt:  # a restart's start-up is counted from its own start
                 os.environ[LAUNCHED_AT_ENV] = repr(time.time())
+            attempt_started = time.time()
             try:
                 run_on_this_node(cfg.parallel.nproc_per_node, str(Path(__file__).resolve()),
                                  [args.config] + [f"--set={item}" for item in overrides], forked)
@@ -190,7 +191,8 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
                 how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                        else f"exited with status {failure.exitcode}")
                 what = f"the job failed: rank {rank} {how}"
-                if any(f.exitcode == watchdog.EXIT_STATUS for f in exc.failures.values()):
+                if any(f.exitcode == watchdog.EXIT_STATUS for f in exc.failures.values()) or \
+                        watchdog.fired_since(cfg.trainer.run_dir, attempt_started):
                     what = "the job was stopped by its watchdog (the [watchdog] line above names the rank)"
                 left = args.max_restarts - attempt
                 then = (f"; starting it again from the newest checkpoint ({left} restart(s) left)" if left

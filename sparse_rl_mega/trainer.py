@@ -54,6 +54,7 @@ class PhaseTimer:
 
 
 ENGINE_CLOSE_WAIT_S = 60.0  # how long a failed set-up waits for a starting engine, to shut it down
+SHUTDOWN_SLACK_S = 60.0  # the rest of shutting down (reward workers, the last barrier), for the watchdog
 
 
 class PhaseClock:
@@ -512,11 +513,13 @@ class Trainer:
                                     f"checkpoint under {self.checkpoint_dir()} is the last good state")
 
     def close(self, ok: bool) -> None:
-        watchdog.stop()  # (shutting down waits for the tracking store and the engines, with bounds of their own)
+        # a failed job waits less for a tracking store that does not answer: the next launch sends the rest
+        wait_s = self.cfg.tracking.flush_timeout_s if ok else min(10.0, self.cfg.tracking.flush_timeout_s)
+        # shutting down waits for the tracking store and the engines, each with its bound: the watchdog's
+        # (a rank stopped now would hold the others at the last barrier for the collectives' timeout)
+        watchdog.enter("shutdown", bound_s=wait_s + ENGINE_CLOSE_WAIT_S + SHUTDOWN_SLACK_S)
         clock = PhaseClock()
         if self.tracker is not None:
-            # a failed job waits less for a store that does not answer: the next launch sends the rest
-            wait_s = self.cfg.tracking.flush_timeout_s if ok else min(10.0, self.cfg.tracking.flush_timeout_s)
             unsent = self.tracker.finish("FINISHED" if ok else "FAILED", wait_s)
             if unsent:
                 log(unsent)
@@ -653,6 +656,7 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
         if dist.is_initialized():
             if ok or job_wide:  # (job-wide: the others wait for rank 0's line before they end)
                 dist.barrier()
+            watchdog.stop()
             dist.destroy_process_group()
         for lock in locks:
             lock.release()

@@ -18,7 +18,8 @@ A rank's bound in a phase it has completed before is ``max(floor, factor x the l
 took)`` (``trainer.watchdog_floor_s``, ``trainer.watchdog_factor``); in a phase it has not completed
 yet (set-up, the first checkpoint, the first evaluation, a first compile) it is
 ``trainer.watchdog_first_s``. Between the named phases of the loop a rank is in phase ``iteration``,
-bounded by the longest iteration so far. The learner's collectives keep the process group's timeout as their
+bounded by the longest iteration so far. Shutting down has a bound of its own, from the timeouts of
+what it waits for (the tracking store, the engines). The learner's collectives keep the process group's timeout as their
 outer bound: gloo and NCCL take one timeout when the group is made, and it must cover a rank that waits
 for another one's engine restart (``rollout.startup_timeout_s``).
 """
@@ -71,6 +72,7 @@ class Watchdog:
         self.phase_started = clock()
         self.outer: list[tuple[str, float]] = []  # the phases this one runs inside, with their starts
         self.longest: dict[str, float] = {}  # phase -> the longest it took on this rank
+        self.fixed: dict[str, float] = {}  # phase -> a bound of its own (a phase bounded by known waits)
         self.seen: dict[int, _Seen] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -89,8 +91,12 @@ class Watchdog:
             self.progress += 1
         self._publish()  # (now: a rank stopped in the next second must not be named with the iteration before)
 
-    def enter(self, phase: str) -> None:
+    def enter(self, phase: str, bound_s: Optional[float] = None) -> None:
+        """``phase`` starts (inside the current one); ``bound_s``: its own bound instead of one derived
+        from its past durations."""
         with self.lock:
+            if bound_s is not None:
+                self.fixed[phase] = bound_s
             self.outer.append((self.phase, self.phase_started))
             self.phase, self.phase_started = phase, self.clock()
             self.progress += 1
@@ -114,6 +120,8 @@ class Watchdog:
     def bound(self) -> tuple[float, str]:
         """This rank's bound in its current phase, and where it comes from."""
         b = self.bounds
+        if self.phase in self.fixed:
+            return self.fixed[self.phase], f"the bound of {self.phase}, from the timeouts of its waits"
         if self.phase not in self.longest:
             return b.first_s, f"{self.phase} not completed before here: trainer.watchdog_first_s"
         derived = b.factor * self.longest[self.phase]
@@ -280,9 +288,9 @@ def at_iteration(iteration: int) -> None:
         _current.at_iteration(iteration)
 
 
-def enter(phase: str) -> None:
+def enter(phase: str, bound_s: Optional[float] = None) -> None:
     if _current is not None:
-        _current.enter(phase)
+        _current.enter(phase, bound_s)
 
 
 def leave(phase: str, completed: bool = True) -> None:

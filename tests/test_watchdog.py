@@ -45,6 +45,7 @@ class Job:
 
 
 def test_quiet_while_any_rank_progresses_or_a_phase_runs_for_the_first_time(tmp_path):
+    """...and shutting down, within its own bound, which then stops a job stuck there."""
     job = Job(tmp_path)
     job.phase("setup-load", 300)  # set-up: first time, within watchdog_first_s
     for iteration in range(3):
@@ -58,7 +59,12 @@ def test_quiet_while_any_rank_progresses_or_a_phase_runs_for_the_first_time(tmp_
     job.ranks[0].leave("eval")
     job.ranks[1].leave("rollout")
     job.phase("checkpoint", 500)  # the first checkpoint: long, no beats, first time (bound 600 s)
+    for w in job.ranks:
+        w.enter("shutdown", bound_s=240.0)  # bounded by its waits' timeouts (the tracking store, the engines)
+    job.run(230)
     assert job.lines == [] and job.stopped == []
+    job.run(12)
+    assert len(job.lines) == 1 and "(bound 240 s: the bound of shutdown, from the timeouts of its waits" in job.lines[0]
 
 
 def test_a_stopped_rank_is_named_once_when_nothing_progresses_for_the_bound(tmp_path):

@@ -96,7 +96,7 @@ class FaultInjector:
             return None if pid is None else (pid, signal.SIGKILL if what == "kill-engine" else signal.SIGSTOP)
         if what.startswith(("kill-rank", "stop-rank")):
             sig = signal.SIGKILL if what.startswith("kill") else signal.SIGSTOP
-            return (os.getpid(), sig) if int(what[len("kill-rank"):]) == self.rank else None
+            return (os.getpid(), sig) if int(what.rsplit("rank", 1)[1]) == self.rank else None
         if what == "kill-tracking":
             server = os.environ.get(TRACKING_SERVER_PID_ENV)
             return (-int(server), signal.SIGKILL) if self.rank == 0 and server else None  # (its process group)

@@ -173,10 +173,8 @@ class MetricQueue:
                 self.changed.notify_all()
 
     def _keep_unsent(self) -> None:
-        """(lock held) Rewrite ``unsent_path`` with every value not sent yet (atomic replace)."""
-        partial = self.unsent_path.with_name(self.unsent_path.name + ".partial")
-        partial.write_text("".join(json.dumps(entry) + "\n" for entry in self.pending))
-        os.replace(partial, self.unsent_path)
+        """(lock held) Rewrite ``unsent_path`` with every value not sent yet."""
+        write_unsent(self.unsent_path, self.pending)
 
     def close(self, wait_s: float) -> Optional[str]:
         """Send what is queued, waiting at most ``wait_s`` for a store that does not answer; returns None
@@ -207,6 +205,21 @@ def send_entry(client, entry: dict) -> None:
     values = [Metric(key, value, entry["timestamp"], entry["step"]) for key, value in entry["metrics"].items()]
     for start in range(0, len(values), 1000):  # MLflow's limit per batch
         client.log_batch(entry["run_id"], metrics=values[start:start + 1000], synchronous=True)
+
+
+def write_unsent(path: Path, entries) -> None:
+    """Queue entries as an unsent-metrics file, one JSON line each (atomic: a killed job leaves the old
+    file or the new one)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+    os.replace(partial, path)
+
+
+def bound_http_requests() -> None:
+    """MLflow's client makes one bounded try per request (:data:`MLFLOW_HTTP_DEFAULTS`) unless the user
+    set its variables."""
+    for name, value in MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def read_unsent(path: Path) -> list[dict]:
@@ -248,8 +261,7 @@ class Tracker:
             return
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         os.environ.setdefault("DO_NOT_TRACK", "true")
-        for name, value in MLFLOW_HTTP_DEFAULTS.items():
-            os.environ.setdefault(name, value)
+        bound_http_requests()
         import mlflow
         from mlflow.tracking.context.registry import resolve_tags
 
@@ -338,8 +350,7 @@ def send_unsent(run_dir: Path, tracking_uri: Optional[str] = None) -> str:
         return f"nothing to send: no {path}"
     entries = read_unsent(path)
     uri = tracking_uri or default_tracking_uri(run_dir)
-    for name, value in MLFLOW_HTTP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    bound_http_requests()
     client = mlflow.MlflowClient(tracking_uri=uri)
     for n, entry in enumerate(entries):
         try:
@@ -347,7 +358,6 @@ def send_unsent(run_dir: Path, tracking_uri: Optional[str] = None) -> str:
         except Exception as exc:
             raise RuntimeError(f"the MLflow store {uri} does not answer ({why_unreachable(exc)}): sent "
                                f"{describe(entries[:n])}, {describe(entries[n:])} still in {path}") from None
-        remaining = entries[n + 1:]
-        path.write_text("".join(json.dumps(e) + "\n" for e in remaining))  # (a second try sends no value twice)
+        write_unsent(path, entries[n + 1:])  # (a second try sends no value twice)
     path.unlink()
     return f"sent {describe(entries)} to {uri}"

@@ -167,7 +167,8 @@ class Watchdog:
         return line
 
     def _publish(self, strict: bool = False) -> None:
-        """This rank's record to the store (from the loop: errors ignored, the thread reports none)."""
+        """This rank's record to the store. ``strict`` (the thread): a store error raises, and the thread
+        says that it stopped watching; from the loop it is ignored (the job is ending)."""
         with self.lock:
             bound, why = self.bound()
             record = {"phase": self.phase, "iteration": self.iteration, "progress": self.progress,
@@ -180,7 +181,7 @@ class Watchdog:
 
     def check(self) -> Optional[tuple[str, dict]]:
         """(the verdict line, the record of the rank to blame) when no rank has made progress within the
-        largest bound that any rank published; None while the job progresses."""
+        largest bound that a running rank published; None while the job progresses."""
         keys = [f"rank{r}" for r in range(self.world_size)]
         if not self.store.check(keys):
             return None  # a rank has not published yet (set-up's own timeouts cover that)
@@ -206,7 +207,7 @@ class Watchdog:
         bound, why = widest[1].record["bound"], widest[1].record["why"]
         if quiet <= bound:
             return None
-        not_running = [(r, s) for r, s in self.seen.items() if now - s.beats_changed_at > NOT_RUNNING_S]
+        not_running = [(r, s) for r, s in self.seen.items() if r not in running]
         if not_running:
             r, s = min(not_running, key=lambda item: item[1].beats_changed_at)
             how = f"has not run for {now - s.beats_changed_at:.0f} s (its process is stopped or frozen)"
@@ -217,7 +218,7 @@ class Watchdog:
         line = (f"[watchdog] no rank has made progress for {quiet:.0f} s (bound {bound:.0f} s: {why}, rank {widest[0]}): "
                 f"rank {r} (host {c['host']}, pid {c['pid']}) {how}, in phase {c['phase']} of iteration "
                 f"{c['iteration'] + 1}; stopping the job")
-        return line, {**c, "rank": r}
+        return line, c
 
     def _stop_job(self, line: str, culprit: dict) -> None:
         self.report(line)

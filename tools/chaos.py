@@ -88,7 +88,7 @@ def draw_faults(n: int, iterations: int, world: int, seed: int) -> list[Fault]:
     """``n`` faults, targets taken in turn from a shuffled cycle (so that few trials still cover every
     kind), phase, iteration and delay at random."""
     rng = random.Random(seed)
-    targets = [t for t in TARGETS if not t.startswith(("kill-rank", "stop-rank")) or int(t[len("kill-rank"):]) < world]
+    targets = [t for t in TARGETS if not t.startswith(("kill-rank", "stop-rank")) or int(t.rsplit("rank", 1)[1]) < world]
     order: list[str] = []
     while len(order) < n:
         cycle = targets[:]
@@ -106,10 +106,9 @@ def _fault(what: str, iterations: int, rng: random.Random) -> Fault:
         return Fault(what, "checkpoint", rng.randint(1, iterations))
     if what == "corrupt-checkpoint":
         return Fault(what, rng.choice(PHASES), rng.randint(min(3, iterations), iterations))
-    if what.startswith("stop-rank"):
-        return Fault(what, rng.choice(PHASES), rng.randint(min(2, iterations), iterations),
-                     round(rng.uniform(0.0, 0.5), 2))
-    return Fault(what, rng.choice(PHASES), rng.randint(1, iterations), round(rng.uniform(0.0, 0.5), 2))
+    earliest = 2 if what.startswith("stop-rank") else 1
+    return Fault(what, rng.choice(PHASES), rng.randint(min(earliest, iterations), iterations),
+                 round(rng.uniform(0.0, 0.5), 2))
 
 
 def launch(config: str, run_dir: Path, overrides: list[str], env: dict, extra: list[str]) -> subprocess.CompletedProcess:

@@ -61,6 +61,7 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.learner.weights import stream_hf_tensors
     from sparse_rl_mega.rollout.engine import preload_cpu_engines
     from sparse_rl_mega.rollout.placement import hosts_an_engine
+    from sparse_rl_mega.rollout.weight_push import consumers_of, weight_group_size
     from sparse_rl_mega.trainer import PhaseTimer, Trainer
 
     cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
@@ -85,7 +86,7 @@ def bench(args: argparse.Namespace) -> None:
         gather_s = _fastest(lambda: elements.__setitem__(0, gather_only()), args.repeats)
         figures: dict = {"config": {**vars(args), "world_size": dist.get_world_size(),
                                     "tp": cfg.parallel.tensor_model_parallel_size,
-                                    "pp": cfg.parallel.pipeline_model_parallel_size}, "sync": {}}
+                                    "pp": cfg.parallel.pipeline_model_parallel_size}, "sync": {}, "parts": {}}
         if rank == 0:
             dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
             nbytes = elements[0] * dtype.itemsize
@@ -96,20 +97,40 @@ def bench(args: argparse.Namespace) -> None:
             print(f"[bench_sync] {nbytes / 2**20:.1f} MiB of weights; gather to rank 0 {gather_s:.3f} s, "
                   f"plain copy {copy_s:.4f} s", flush=True)
         fleet, version = trainer.fleet, trainer.fleet.version
+        probe = list(range(1, 33))  # a 32-token sequence for the post-push logprob check
         for method in [m for m in args.methods.split(",") if m]:
-            joined = cfg.trainer.sync_method == "broadcast"
             cfg.trainer.sync_method = method
-            if method == "broadcast" and not joined:  # every rank: rank 0 and the engines form the group
+            fleet.consumers = consumers_of(fleet.placements, method, torch.cuda.is_available())
+            if weight_group_size(fleet.consumers) > 1 and fleet.group_name is None:  # every rank
                 fleet.form_weight_group()
             for mb in [float(b) for b in args.buckets.split(",") if b]:
                 cfg.trainer.sync_bucket_mb = mb
-                seconds = _fastest(lambda: fleet.push_weights(None, version, PhaseTimer()), args.repeats)
+                best = None
+                for _ in range(args.repeats):
+                    started = time.perf_counter()
+                    parts = fleet.push_weights(None, version, PhaseTimer())
+                    seconds = time.perf_counter() - started
+                    if best is None or seconds < best[0]:
+                        best = (seconds, parts)
+                seconds, parts = best
+                checked = fleet.push_weights(probe, version, PhaseTimer(), check_before=False)
+                everyone = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, {k: v for k, v in parts.items() if k.startswith("time/sync_")})
                 if rank == 0:
-                    figures["sync"][f"{method}.{mb:g}MB"] = seconds
-                    print(f"[bench_sync] {method} buckets of {mb:g} MB: {seconds:.3f} s per sync", flush=True)
+                    name = f"{method}.{mb:g}MB"
+                    figures["sync"][name] = seconds
+                    figures["parts"][name] = {"buckets": parts["sync/buckets"], "check_s": checked["time/sync_check_s"],
+                                              "ranks": everyone}
+                    print(f"[bench_sync] {method}, buckets of {mb:g} MB ({parts['sync/buckets']:.0f}): "
+                          f"{seconds:.3f} s per push; " + "; ".join(
+                              f"rank {r}: " + ", ".join(f"{k[len('time/sync_'):-2]} {v:.3f}" for k, v in t.items()
+                                                       if v > 0 and k != "time/sync_push_s")
+                              for r, t in enumerate(everyone)) + f"; then the logprob check {checked['time/sync_check_s']:.3f} s",
+                          flush=True)
         if rank == 0:
             lines = [f"bytes={figures['bytes']}", f"gather_s={gather_s:.4f}", f"copy_s={figures['copy_s']:.5f}"]
             lines += [f"sync_s.{k}={v:.4f}" for k, v in figures["sync"].items()]
+            lines += [f"check_s.{k}={v['check_s']:.4f}" for k, v in figures["parts"].items()]
             ratios = {f"sync_over_copy.{k}": v / figures["copy_s"] for k, v in figures["sync"].items()}
             ratios["gather_over_copy"] = gather_s / figures["copy_s"]
             figures["ratios"] = ratios

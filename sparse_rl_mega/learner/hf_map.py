@@ -88,6 +88,19 @@ def split(entry: Entry, fused: torch.Tensor, arch: ArchConfig) -> list[torch.Ten
     return [part.reshape(-1, *fused.shape[1:]) for part in (q, k, v)]
 
 
+def write_split(entry: Entry, fused: torch.Tensor, targets: list[torch.Tensor], arch: ArchConfig) -> None:
+    """Copy :func:`split` of ``fused`` into ``targets`` (HF-shaped tensors, e.g. slots of a flattened
+    bucket), one strided copy each: the QKV parts are copied as views of their head groups, not made
+    contiguous first."""
+    if entry.kind != "qkv":
+        for target, part in zip(targets, split(entry, fused, arch)):
+            target.copy_(part)
+        return
+    grouped = fused.reshape(arch.num_query_groups, -1, *fused.shape[1:])
+    for target, part in zip(targets, torch.split(grouped, _qkv_split_sizes(arch), dim=1)):
+        target.view(part.shape).copy_(part)
+
+
 def hf_to_mcore(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
     """HF state dict -> Megatron canonical tensors (per-layer tensors stacked on dim 0)."""
     out = {}

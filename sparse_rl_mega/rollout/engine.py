@@ -383,18 +383,115 @@ class RolloutEngine:
         return [float(v) for v in values[1:]]  # the first token has no prediction
 
     # ------------------------------------------------------------------ weights
+    # A push (rollout/weight_push.py): begin_update(), one flattened bucket at a time (submit_flat_bucket
+    # or submit_flat_receive, then wait_bucket), the last one carrying the new version, end_update().
+    def begin_update(self) -> None:
+        """Open SGLang's weight-update session (``begin_weight_update``)."""
+        self._call("weight push", self.engine.begin_weight_update)
+
+    def end_update(self, version: int) -> None:
+        """Close the session, flush the prefix cache (no KV computed with the old weights is reused) and
+        note ``version``, which the last bucket gave the engine (every later sample reports it)."""
+        self._call("weight push", self.engine.end_weight_update)
+        self.flush_cache("weight push")
+        self.weight_version = version
+
+    def submit_flat_bucket(self, payloads: list[bytes], version: Optional[int] = None) -> Future:
+        """Ask the engine to load one flattened bucket that its ranks read from a shared buffer
+        (``payloads``: one serialized bucket per TP rank, ``weight_push.serialize_bucket``); with
+        ``version`` (the last bucket) it serves that weight version from then on."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format="flattened_bucket",
+                                                  flush_cache=False, weight_version=_version(version))
+        manager, loop = self.engine.tokenizer_manager, self.engine.loop
+        return self._submit(lambda: loop.run_until_complete(manager.update_weights_from_tensor(request, None)))
+
+    def submit_flat_receive(self, slots, dtype: torch.dtype, group_name: str, version: Optional[int] = None) -> Future:
+        """Ask the engine to receive one flattened bucket that member 0 of weight group ``group_name``
+        broadcasts (``slots``: its tensors' names and shapes, in order; ``version`` as above)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        name = str(dtype).replace("torch.", "")
+        request = UpdateWeightsFromDistributedReqInput(
+            names=[s.name for s in slots], dtypes=[name] * len(slots), shapes=[list(s.shape) for s in slots],
+            group_name=group_name, flush_cache=False, load_format="flattened_bucket", weight_version=_version(version))
+        manager, loop = self.engine.tokenizer_manager, self.engine.loop
+        return self._submit(lambda: loop.run_until_complete(manager.update_weights_from_distributed(request, None)))
+
+    def wait_bucket(self, submitted: Future) -> None:
+        """Wait for a bucket's load; one the engine refused raises (its message)."""
+        ok, message = self._wait("weight push", submitted)
+        if not ok:
+            raise RuntimeError(f"{self.name} refused a weight bucket: {message}")
+
+    def broadcast_failed(self, exc: Exception) -> EngineFailure:
+        """This engine failed, as a broadcast to its weight group did (its processes are checked for why)."""
+        try:
+            self._fail("weight push", self._health(time.time())
+                       or f"the weight broadcast failed: {str(exc).splitlines()[0]}")
+        except EngineFailure as failure:
+            return failure
+
+    @property
+    def weight_group(self):
+        """The weight group, on its member 0 (:meth:`connect_weight_group`)."""
+        return self._weight_group
+
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: Optional[int] = None) -> int:
-        """Load HF-named tensors bucket by bucket as in-process tensors (colocated path). See
-        :meth:`_finish_update` for ``version`` and the cache."""
-        with self._weight_update():
-            for bucket in buckets:
-                self._call("weight push", self.engine.update_weights_from_tensor, named_tensors=bucket, flush_cache=False)
-        return self._finish_update(version)
+        """Load HF-named tensors bucket by bucket from this process's shared memory (each bucket packed
+        into one flattened buffer); ``version`` (default: one more than the last) is served after it."""
+        return self._push_named(buckets, version, broadcast=False)
+
+    def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                 version: Optional[int] = None) -> int:
+        """As :meth:`update_weights`, each bucket broadcast over the group of :meth:`connect_weight_group`."""
+        if self._weight_group is None:
+            raise RuntimeError("connect_weight_group() first")
+        return self._push_named(buckets, version, broadcast=True)
+
+    def _push_named(self, buckets, version: Optional[int], broadcast: bool) -> int:
+        import torch.distributed as dist
+
+        from sparse_rl_mega.learner.flat_buckets import Slot
+        from sparse_rl_mega.rollout.weight_push import serialize_bucket
+
+        version = self.weight_version + 1 if version is None else version
+        pending = list(buckets)
+        self.begin_update()
+        try:
+            for number, named in enumerate(pending):
+                dtype, slots, offset = named[0][1].dtype, [], 0
+                for name, tensor in named:
+                    slots.append(Slot(name, tuple(tensor.shape), offset, tensor.numel() * dtype.itemsize))
+                    offset += slots[-1].nbytes
+                flat = torch.cat([t.to(dtype).reshape(-1).view(torch.uint8) for _, t in named])
+                last = version if number == len(pending) - 1 else None
+                if broadcast:
+                    submitted = self.submit_flat_receive(slots, dtype, self._group_name, last)
+                    try:
+                        dist.broadcast(flat.cuda() if self._weight_backend == "nccl" else flat, src=0,
+                                       group=self._weight_group)
+                    except RuntimeError as exc:
+                        raise self.broadcast_failed(exc) from None
+                else:
+                    submitted = self.submit_flat_bucket(
+                        serialize_bucket(flat.share_memory_(), slots, offset, dtype, self.tp_size), last)
+                self.wait_bucket(submitted)
+        except EngineFailure:
+            raise
+        except BaseException:
+            self._call("weight push", self.engine.end_weight_update)  # (the session must not stay open)
+            raise
+        self.end_update(version)
+        return version
 
     def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
-                             world_size: Optional[int] = None, group_name: str = WEIGHT_GROUP) -> None:
-        """Create the weight broadcast group as its member 0 (the learner's rank 0) with this engine's
-        ranks as members 1..tp; ``world_size`` > 1 + tp when other engines join too
+                             world_size: Optional[int] = None, group_name: str = WEIGHT_GROUP,
+                             engine_joins: bool = True) -> None:
+        """Create the weight broadcast group as its member 0 (the learner's rank 0), with this engine's
+        ranks as members 1..tp when ``engine_joins`` (else this engine reads shared buffers and other
+        engines are the members); ``world_size`` > 1 + tp when other engines join too
         (:meth:`join_weight_group`). Everyone blocks until all joined, so this engine's half runs on the
         call thread. A broadcast that gets no answer within ``timeout_s`` fails."""
         from sglang.srt.utils import init_custom_process_group
@@ -404,11 +501,11 @@ class RolloutEngine:
         # of a store the agent hosts (only for torchrun's own group): this group's rank 0 must host it
         with _without_launcher_env():
             joined = self._submit(self.engine.init_weights_update_group, master_address, master_port, 1, world_size,
-                                  group_name, backend)
+                                  group_name, backend) if engine_joins else None
             self._weight_group = init_custom_process_group(
                 backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size, rank=0,
                 group_name=group_name, timeout=timedelta(seconds=self.timeout_s))
-            ok, message = self._wait("weight group", joined)
+            ok, message = self._wait("weight group", joined) if joined is not None else (True, "")
         if not ok:
             raise RuntimeError(f"{self.name} could not join the weight-update group: {message}")
         self._weight_backend, self._group_name = backend, group_name
@@ -424,22 +521,6 @@ class RolloutEngine:
             raise RuntimeError(f"{self.name} could not join the weight-update group: {message}")
         self._weight_group, self._group_name = "joined", group_name
 
-    def receive_weights_broadcast(self, bucket_specs: Iterable[list[tuple[str, torch.Tensor]]],
-                                  version: Optional[int] = None) -> int:
-        """Receive buckets that the group's member 0 broadcasts (:meth:`update_weights_broadcast` on
-        another engine's host). ``bucket_specs`` yields each bucket's ``(name, tensor)`` with tensors of
-        the right shape and dtype (e.g. on the meta device), in the sender's order; each bucket is asked
-        for on the call thread, so the caller goes on producing (and sending) while the engine waits
-        for the broadcast."""
-        if self._weight_group is None:
-            raise RuntimeError("join_weight_group() first")
-        with self._weight_update():
-            # the call thread takes requests in order: queue them all, then wait for each answer
-            pending = [self._request_bucket(bucket) for bucket in bucket_specs]
-            for received in pending:
-                self._check_bucket(received)
-        return self._finish_update(version)
-
     def release_memory(self) -> None:
         """Free the weights and KV pool for the colocated learner's training phase (GPU, memory saver)."""
         self._call("memory release", self.engine.release_memory_occupation)
@@ -447,63 +528,6 @@ class RolloutEngine:
     def resume_memory(self) -> None:
         """Take the memory back before the next weight push and rollout."""
         self._call("memory resume", self.engine.resume_memory_occupation)
-
-    def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                 version: Optional[int] = None) -> int:
-        """Broadcast HF-named tensors bucket by bucket over the group of :meth:`connect_weight_group`
-        (the engine receives each bucket's tensors in order while this rank sends them)."""
-        import torch.distributed as dist
-
-        if self._weight_group is None:
-            raise RuntimeError("connect_weight_group() first")
-        with self._weight_update():
-            for bucket in buckets:
-                received = self._request_bucket(bucket)
-                try:
-                    for _, tensor in bucket:
-                        # the learner streams CPU tensors; NCCL broadcasts device memory only
-                        tensor = tensor.cuda() if self._weight_backend == "nccl" else tensor.contiguous()
-                        dist.broadcast(tensor, src=0, group=self._weight_group)
-                except RuntimeError as exc:  # a member left (its engine died) or the group's timeout passed
-                    reason = self._health(time.time()) or f"the weight broadcast failed: {str(exc).splitlines()[0]}"
-                    self._fail("weight push", reason)
-                self._check_bucket(received)
-        return self._finish_update(version)
-
-    @contextmanager
-    def _weight_update(self):
-        """A push between SGLang's ``begin_weight_update`` and ``end_weight_update`` (not ended after a
-        failure: the engine cannot answer, and is restarted)."""
-        self._call("weight push", self.engine.begin_weight_update)
-        try:
-            yield
-        finally:
-            if self.failure is None:
-                self._call("weight push", self.engine.end_weight_update)
-
-    def _request_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> Future:
-        """Ask the engine (on the call thread) to receive one bucket over the weight group."""
-        return self._submit(self.engine.update_weights_from_distributed, [name for name, _ in bucket],
-                            [str(t.dtype).replace("torch.", "") for _, t in bucket], [list(t.shape) for _, t in bucket],
-                            self._group_name, False)
-
-    def _check_bucket(self, received: Future) -> None:
-        ok, message = self._wait("weight push", received)
-        if not ok:
-            raise RuntimeError(f"{self.name} rejected a broadcast weight bucket: {message}")
-
-    def _finish_update(self, version: Optional[int]) -> int:
-        """After an update: flush the prefix cache (no KV computed with old weights is reused) and set
-        the engine's weight version (every later sample reports it; the trainer checks it): ``version``,
-        or one more than the last."""
-        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
-
-        self.flush_cache("weight push")
-        self.weight_version = self.weight_version + 1 if version is None else version
-        manager = self.engine.tokenizer_manager
-        self._call("weight push", self.engine.loop.run_until_complete, manager.update_weight_version(
-            UpdateWeightVersionReqInput(new_version=str(self.weight_version), abort_all_requests=False)))
-        return self.weight_version
 
     def served_weight_version(self) -> str:
         """The weight version the engine reports serving."""
@@ -647,6 +671,10 @@ class RolloutEngine:
         loop = self.engine.loop
         loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
         raise self.failure
+
+
+def _version(version: Optional[int]) -> Optional[str]:
+    return None if version is None else str(version)
 
 
 class PendingGeneration:

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from sparse_rl_mega.rollout.engine import (WEIGHT_GROUP, EngineFailure, EngineStart, RolloutEngine,
                                            keep_process_on_child_crash)
-from sparse_rl_mega.rollout.placement import run_placements, weight_group_size
+from sparse_rl_mega.rollout.placement import run_placements
+from sparse_rl_mega.rollout.weight_push import (PushBuffers, WeightPush, consumers_of, push_store, share_authkey,
+                                                weight_group_size)
 from sparse_rl_mega.rollout.supervisor import (EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures,
                                                gather_given)
 
@@ -43,8 +45,17 @@ class EngineFleet:
         self.learner = None  # set by ready(): the weights come from its modules
         self.restarts = 0  # engine restarts since reset by the trainer (every iteration)
         self.groups = 0  # weight broadcast groups formed
+        self.group_name: Optional[str] = None  # the newest one's
         self.version = 0  # the weights every engine serves: those after this many iterations
         self.check_ids: Optional[list[int]] = None  # checks a restarted engine's weights (ready())
+        # how each engine gets weights (weight_push.py); the plan, buffers and store of the pushes
+        self.consumers = consumers_of(self.placements, cfg.trainer.sync_method, torch.cuda.is_available())
+        self.push_buffers = PushBuffers()
+        self.pushes = 0
+        self._plan = None  # (its key, PushPlan): the buckets depend only on the layout and the settings
+        self._shards = None  # (learner, its main-replica shards)
+        self._store = None
+        share_authkey()  # before any engine starts (collective)
 
     @property
     def engine(self) -> Optional[RolloutEngine]:
@@ -74,12 +85,13 @@ class EngineFleet:
         return seconds
 
     def form_weight_group(self) -> None:
-        """With the broadcast sync: rank 0 and every engine join one weight group (again after engines
-        restart, under a new name)."""
+        """Rank 0 and every engine that receives weights by broadcast (``weight_push.consumers_of``) join
+        one weight group (again after engines restart, under a new name); no group when none does."""
         from sparse_rl_mega.ports import free_port
 
         cfg = self.cfg
-        if cfg.trainer.sync_method != "broadcast":
+        size = weight_group_size(self.consumers)
+        if size == 1:
             return
         self.groups += 1
         name = WEIGHT_GROUP if self.groups == 1 else f"{WEIGHT_GROUP}_{self.groups}"
@@ -92,13 +104,17 @@ class EngineFleet:
         # NCCL refuses two members on one GPU: a colocated engine shares rank 0's GPU, so colocated
         # engines receive over gloo (staged through host memory); separate engines over NCCL
         backend = "nccl" if torch.cuda.is_available() and cfg.rollout.placement == "separate" else "gloo"
-        size = weight_group_size(self.placements)
+        mine = self._my_consumer()
         if self.rank == 0:
-            self.engine.connect_weight_group(host, port, backend=backend, world_size=size, group_name=name)
-        elif self.placement is not None:
-            self.engine.join_weight_group(host, port, self.placement.rank_offset, size, backend=backend,
-                                          group_name=name)
+            self.engine.connect_weight_group(host, port, backend=backend, world_size=size, group_name=name,
+                                             engine_joins=mine.transport == "group")
+        elif mine is not None and mine.transport == "group":
+            self.engine.join_weight_group(host, port, mine.rank_offset, size, backend=backend, group_name=name)
+        self.group_name = name
         self.log(f"[setup] weight broadcast group of {size} members joined ({backend}, {host}:{port})")
+
+    def _my_consumer(self):
+        return next((c for c in self.consumers if self.placement is not None and c.index == self.placement.index), None)
 
     # ------------------------------------------------------------------ work on the engines
     def sample(self, work: Callable[[RolloutEngine], T], version: int) -> Optional[T]:
@@ -140,10 +156,8 @@ class EngineFleet:
 
     def _push_once(self, probe_ids, version: int, timer, check_before: bool):
         """One push: ``(metrics, this host's EngineFailure or None)``. A host whose engine fails goes on
-        streaming its pieces, so that every rank's collectives stay matched."""
-        from sparse_rl_mega.learner.weights import buckets, stream_hf_tensors
-
-        cfg = self.cfg
+        taking part (marking buckets loaded, sending its pieces), so that every rank's waits and
+        collectives finish."""
         metrics: dict[str, float] = {}
         failure: Optional[EngineFailure] = None
         check = probe_ids is not None
@@ -162,25 +176,13 @@ class EngineFleet:
         if check and check_before and not self.release_memory:
             metrics["sync/pre_sync_max_abs_logprob_diff"] = self.max_over_engines(before)
         with timer.phase("sync") if timer is not None else nullcontext():
-            dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-            bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
-            # engine hosts other than rank 0 plan the same buckets from the tensors' shapes and receive them
-            stream = stream_hf_tensors(self.learner.modules, cfg.model.arch, specs_elsewhere=host)
-            sent: list[int] = []  # bytes of each tensor pushed, for the metrics
-
-            def counted(named):
-                for name, tensor in named:
-                    sent.append(tensor.numel() * dtype.itemsize)
-                    yield name, tensor
-            parts = buckets(counted(stream) if self.rank == 0 else stream, bucket_bytes, dtype) if host else stream
+            started = time.perf_counter()
+            push = self._weight_push(version)
+            metrics["time/sync_plan_s"] = time.perf_counter() - started
             self.faults.at("push", version - 1)
+            started = time.perf_counter()
+            failure = push.run() or failure
             try:
-                if self.rank == 0 and failure is None:
-                    push = self.engine.update_weights_broadcast if cfg.trainer.sync_method == "broadcast" \
-                        else self.engine.update_weights
-                    push(parts, version)
-                elif host and failure is None:
-                    self.engine.receive_weights_broadcast(parts, version)
                 if host and failure is None:
                     served = self.engine.served_weight_version()
                     if served != str(version):
@@ -188,13 +190,14 @@ class EngineFleet:
                                            f"{served}, expected {version}")
             except EngineFailure as exc:
                 failure = exc
-            for _ in parts:  # this rank's remaining pieces (all of them off the engine hosts) still travel
-                pass
-            if self.rank == 0:
-                metrics["sync/bytes"] = float(sum(sent))
-                metrics["sync/tensors"] = float(len(sent))
+            metrics.update(push.times.metrics())
+            metrics["time/sync_push_s"] = time.perf_counter() - started
+            metrics["sync/bytes"] = float(push.plan.nbytes)
+            metrics["sync/tensors"] = float(push.plan.tensors)
+            metrics["sync/buckets"] = float(len(push.plan.buckets))
             metrics["sync/weight_version"] = float(version)
         if check:
+            started = time.perf_counter()
             after = None
             try:
                 if host and failure is None:
@@ -203,7 +206,33 @@ class EngineFleet:
             except EngineFailure as exc:
                 failure = exc
             metrics["sync/max_abs_logprob_diff"] = self.max_over_engines(after)
+            metrics["time/sync_check_s"] = time.perf_counter() - started
         return metrics, failure
+
+    def _weight_push(self, version: int) -> WeightPush:
+        """A push of the learner's current weights as ``version`` (the plan is made once per layout)."""
+        from sparse_rl_mega.learner.flat_buckets import plan_push
+        from sparse_rl_mega.learner.weights import _local_shards
+
+        cfg = self.cfg
+        dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+        bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
+        central = any(c.transport == "group" for c in self.consumers)
+        if self._shards is None or self._shards[0] is not self.learner:
+            # views of the learner's parameters, which Megatron updates in place (optimizer steps,
+            # checkpoint loads): taken once, as the plan
+            self._shards = (self.learner, _local_shards(self.learner.modules, main_replica_only=True))
+        shards = self._shards[1]
+        key = (dtype, bucket_bytes, central)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_push(shards, cfg.model.arch, dtype, bucket_bytes, central))
+        if self._store is None:
+            self._store = push_store()
+        self.pushes += 1
+        return WeightPush(self._plan[1], shards, cfg.model.arch, version, self.engine,
+                          self.placement.index if self.placement is not None else None, self.consumers,
+                          self.push_buffers, self._store, self.pushes, timeout_s=cfg.rollout.engine_timeout_s + 60,
+                          group_name=self.group_name)
 
     def recover(self, failed: list, version: int, probe_ids: Optional[list[int]] = None) -> dict[str, float]:
         """Restart the engines in ``failed`` (every engine with the broadcast sync) and push them weights

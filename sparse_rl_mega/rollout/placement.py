@@ -10,8 +10,7 @@ weights) by one learner process on its node, its *host*:
 * ``separate``: engine j uses devices after the learner's, ``nproc_per_node + j*tp ..``, so a node
   needs ``nproc_per_node + engines_per_node * tp`` GPUs; its host is local rank j.
 
-Weights reach every engine from global rank 0 over one broadcast group: rank 0 is member 0, engine
-e's TP ranks are members ``1 + e*tp .. e*tp + tp`` (its ``rank_offset``).
+How weights reach each engine (shared buffers or a broadcast group): ``rollout/weight_push.py``.
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ class EnginePlacement:
     host_rank: int      # global rank of the learner process that drives it
     first_device: int   # local device index of its TP rank 0 (GPU id on its node)
     tp: int
-    rank_offset: int    # its first member index in the weight broadcast group
 
 
 def engine_placements(nnodes: int, nproc_per_node: int, num_engines: int, engine_tp: int,
@@ -40,13 +38,8 @@ def engine_placements(nnodes: int, nproc_per_node: int, num_engines: int, engine
         else:
             local_host, first_device = j, nproc_per_node + j * engine_tp
         out.append(EnginePlacement(index=index, node=node, host_rank=node * nproc_per_node + local_host,
-                                   first_device=first_device, tp=engine_tp, rank_offset=1 + index * engine_tp))
+                                   first_device=first_device, tp=engine_tp))
     return out
-
-
-def weight_group_size(placements: list[EnginePlacement]) -> int:
-    """Members of the weight broadcast group: learner rank 0 and every engine TP rank."""
-    return 1 + sum(p.tp for p in placements)
 
 
 def prompt_shard(num_prompts: int, num_engines: int, index: int) -> range:

@@ -10,6 +10,9 @@
    ``gc.collect()`` over the scheduler's heap (its own comment: it frees reference cycles only, no
    memory goes back to the system), 50-140 ms at each of the two flushes of every push here, while
    Python's generational collector runs anyway.
+3. Whether the model has weight caches that an online update cannot refresh is asked once per model,
+   not at every bucket: SGLang's check walks every module and imports a kernel module each time (3.2 ms
+   a bucket here), and its own docstring requires the answer to be fixed at start-up.
 """
 from __future__ import annotations
 
@@ -37,7 +40,20 @@ def install() -> None:
     if torch.cuda.is_available():
         return  # (GPU buckets come as CUDA IPC handles; flushes there empty CUDA's cache, which is cheap)
     from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.model_runner_components import weight_updater
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    ask = weight_updater._unsupported_derived_weight_cache_error
+    answers: dict = {}  # id(model) -> the check's answer (the model lives as long as the scheduler)
+
+    def _unsupported_derived_weight_cache_error(model=None):
+        if model is None:
+            return ask(model)
+        if id(model) not in answers:
+            answers[id(model)] = ask(model)
+        return answers[id(model)]
+
+    weight_updater._unsupported_derived_weight_cache_error = _unsupported_derived_weight_cache_error
 
     load_flattened = WeightUpdater._update_weights_from_flattened_bucket
 

@@ -145,11 +145,18 @@ def test_tp2_engine_takes_broadcast_weights(tp2_engine, tiny_model_dir, hf_model
     version = tp2_engine.update_weights_broadcast(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
     after = tp2_engine.dense_logprobs(ids)
     tp2_engine.update_weights_broadcast(buckets(iter(original.items()), 64 * 1024, torch.float32))
-    assert version == 1 and tp2_engine.served_weight_version() == "2"
+    restored = tp2_engine.dense_logprobs(ids)
+    # the same through shared memory: both scheduler ranks map each flattened bucket this process packed
+    tp2_engine.update_weights(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
+    shared = tp2_engine.dense_logprobs(ids)
+    tp2_engine.update_weights(buckets(iter(original.items()), 64 * 1024, torch.float32))
+    assert version == 1 and tp2_engine.served_weight_version() == "4"
     assert len(after) == len(before) == len(expected)
     assert max(abs(a - b) for a, b in zip(before, expected)) > 1e-2  # the perturbation shows
     assert max(abs(a - b) for a, b in zip(after, expected)) < TOL
-    assert max(abs(a - b) for a, b in zip(tp2_engine.dense_logprobs(ids), before)) < TOL  # restored
+    assert max(abs(a - b) for a, b in zip(shared, expected)) < TOL
+    assert max(abs(a - b) for a, b in zip(restored, before)) < TOL  # restored
+    assert max(abs(a - b) for a, b in zip(tp2_engine.dense_logprobs(ids), before)) < TOL
 
 
 @pytest.mark.parametrize("name", list(POLICY_CASES))

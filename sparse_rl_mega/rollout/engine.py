@@ -387,7 +387,15 @@ class RolloutEngine:
     # or submit_flat_receive, then wait_bucket), the last one carrying the new version, end_update().
     def begin_update(self) -> None:
         """Open SGLang's weight-update session (``begin_weight_update``)."""
-        self._call("weight push", self.engine.begin_weight_update)
+        self.wait_begin_update(self.submit_begin_update())
+
+    def submit_begin_update(self) -> Future:
+        return self._submit(self.engine.begin_weight_update)
+
+    def wait_begin_update(self, submitted: Future) -> None:
+        ok, message = self._wait("weight push", submitted)
+        if not ok:
+            raise RuntimeError(f"{self.name} could not begin a weight update: {message}")
 
     def end_update(self, version: int) -> None:
         """Close the session, flush the prefix cache (no KV computed with the old weights is reused) and

@@ -139,6 +139,7 @@ class WeightPush:
         self.weight_group = engine.weight_group if engine is not None and self.grouped else None
         self.group_broken = False
         self._own_flat: Optional[torch.Tensor] = None  # the buffer of the bucket this rank packed last
+        self.session = None  # the engine's begin_weight_update, submitted
 
     # ------------------------------------------------------------------ store keys
     def _key(self, bucket: int, what: str) -> str:
@@ -174,10 +175,13 @@ class WeightPush:
                 self.times.send_s += time.perf_counter() - started
             if self.me is not None and self.me.transport == "shared":
                 payloads = self._take(bucket)
-                if pending is not None:  # the engine is done with the last bucket before it gets this one
-                    self._finish(*pending)
-                pending = (bucket.index, self._submit(lambda: self.engine.submit_flat_bucket(
+                # queued behind the bucket the engine is loading (another buffer), so that the engine
+                # goes on without a round trip to this thread; then that one is marked loaded
+                submitted = (bucket.index, self._submit(lambda: self.engine.submit_flat_bucket(
                     payloads, self._version_if_last(bucket))))
+                if pending is not None:
+                    self._finish(*pending)
+                pending = submitted
         if pending is not None:
             self._finish(*pending)
         for received in receives:
@@ -261,19 +265,14 @@ class WeightPush:
             self._loaded(bucket)
 
     def _begin(self) -> None:
-        if self.engine is None:
-            return
-        started = time.perf_counter()
-        try:
-            self.engine.begin_update()
-        except EngineFailure as exc:
-            self.failure = exc
-        self.times.session_s += time.perf_counter() - started
+        """Open the engine's session without waiting: the buckets' loads queue behind it."""
+        self.session = self._submit(self.engine.submit_begin_update) if self.engine is not None else None
 
     def _end(self) -> None:
         started = time.perf_counter()
         if self.failure is None and self.engine is not None:
             try:
+                self.engine.wait_begin_update(self.session)
                 self.engine.end_update(self.version)
             except EngineFailure as exc:
                 self.failure = exc

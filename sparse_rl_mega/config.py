@@ -324,11 +324,15 @@ class TrainerConfig:
     # After every weight sync, compare the engine's dense logprobs of a fixed sequence with the
     # learner's and log the largest difference (sync/max_abs_logprob_diff).
     verify_sync: bool = True
+    # a weight push moves flattened buckets of at most this many MB; every rank that owns buckets (the
+    # first TP rank of each pipeline stage; rank 0 with a GPU broadcast) holds two buffers of its
+    # largest one, kept between pushes (--plan counts them)
     sync_bucket_mb: float = 256.0
-    # how weights reach the engines: "tensor" (update_weights_from_tensor, in-process tensors; colocated
-    # engines) or "broadcast" (a process group joined by the learner's rank 0 and the engine's ranks,
-    # init_weights_update_group + update_weights_from_distributed; gloo on CPU, NCCL on GPU; needed by
-    # engines on other devices or nodes)
+    # how weights reach the engines (rollout/weight_push.py): "tensor" (the engine maps each bucket from
+    # its owner's shared buffer: host shared memory on CPU, CUDA IPC on GPU; one colocated engine) or
+    # "broadcast" (rank 0 broadcasts each bucket over a weight group, NCCL on GPU; needed by several
+    # engines and by engines on other devices or nodes; on CPU, engines on the first node read shared
+    # buffers and only those on other nodes join the group, over gloo)
     sync_method: Literal["tensor", "broadcast"] = "tensor"
     torch_threads: int = 1
     # an optimizer step whose loss or gradient norm is NaN/Inf is skipped (weights and optimizer state

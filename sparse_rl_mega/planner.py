@@ -138,14 +138,15 @@ class LearnerMemory:
     grad_bytes: int
     optimizer_bytes: int
     reference_bytes: int     # frozen KL reference copy (0 without algorithm.kl_coef)
+    push_buffer_bytes: int   # the weight push's two bucket buffers, kept between pushes (bucket owners)
     activation_bytes: int    # estimate, micro-batches in flight
     micro_batches_in_flight: float  # whole-stage micro-batches (interleaved: chunk passes / virtual stages)
     seq_len: int
 
     @property
     def states_bytes(self) -> int:
-        """What stays resident between steps: parameters, gradients, Adam, reference."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.reference_bytes
+        """What stays resident between steps: parameters, gradients, Adam, reference, push buffers."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.reference_bytes + self.push_buffer_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -205,6 +206,24 @@ class MemoryPlan:
 # ----------------------------------------------------------------------------- planning
 
 
+def push_buffer_bytes(cfg: RunConfig, stage: int) -> int:
+    """The two flattened-bucket buffers of the rank that owns stage ``stage``'s buckets (its first TP
+    rank; with the broadcast sync on GPU rank 0 owns every bucket), bucket k in buffer k % 2. Each is as
+    large as the largest bucket it takes: ``trainer.sync_bucket_mb``, or a larger HF tensor alone (a
+    tensor is never split): counted as the two largest tensors (the embedding and the output layer, or
+    the embedding and an MLP matrix when they are tied), at most the HF bytes the rank owns."""
+    a, pp = cfg.model.arch, cfg.parallel.pipeline_model_parallel_size
+    central = cfg.trainer.sync_method == "broadcast"
+    if central and stage != 0:
+        return 0
+    dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
+    owned = (total_params(a) if central else stage_params(a, 1, pp, stage)) * dtype_bytes
+    bucket = int(cfg.trainer.sync_bucket_mb * 2**20)
+    vocab, mlp = a.vocab_size * a.hidden_size * dtype_bytes, a.ffn_hidden_size * a.hidden_size * dtype_bytes
+    second = mlp if a.tie_word_embeddings else vocab
+    return min(max(bucket, vocab), owned) + min(max(bucket, second), owned)
+
+
 def learner_memory(cfg: RunConfig, prompt_tokens: int, stage: int) -> LearnerMemory:
     """Memory of one learner rank on pipeline stage ``stage``."""
     a, p, t, m = cfg.model.arch, cfg.parallel, cfg.trainer, cfg.model
@@ -240,6 +259,7 @@ def learner_memory(cfg: RunConfig, prompt_tokens: int, stage: int) -> LearnerMem
     return LearnerMemory(stage=stage, params=n, param_bytes=n * dtype_bytes, grad_bytes=n * GRAD_BYTES,
                          optimizer_bytes=optimizer,
                          reference_bytes=n * dtype_bytes if cfg.algorithm.kl_coef > 0 else 0,
+                         push_buffer_bytes=push_buffer_bytes(cfg, stage),
                          activation_bytes=activations, micro_batches_in_flight=in_flight, seq_len=seq)
 
 
@@ -363,6 +383,9 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
     ]
     if lm.reference_bytes:
         lines.append(f"  reference    {gib(lm.reference_bytes):>9} GiB  (frozen KL reference, algorithm.kl_coef > 0)")
+    if lm.push_buffer_bytes:
+        lines.append(f"  push buffers {gib(lm.push_buffer_bytes):>9} GiB  (2 flattened buckets of the weight push, "
+                     f"on the stage's first TP rank{', rank 0 packs every bucket' if cfg.trainer.sync_method == 'broadcast' else ''})")
     lines += [
         f"  activations  {gib(lm.activation_bytes):>9} GiB  ({activations})",
         f"  total        {gib(lm.total_bytes):>9} GiB",

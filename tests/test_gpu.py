@@ -7,7 +7,9 @@
   transformers, and with FP8 against bf16 (skipped, with the reason, on a GPU without FP8)
   (tests/helpers/gpu_learner_check.py);
 * the SGLang engine on the GPU against the pure-torch reference decoder: StreamingLLM with CUDA graphs,
-  R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python).
+  R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python);
+* the weight push's GPU paths into that engine: flattened CUDA buckets through CUDA IPC handles and
+  through a broadcast over a gloo weight group.
 """
 import pytest
 import torch
@@ -154,3 +156,46 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
                 assert evicted > 0 and len(logp) == len(s.logp_sparse)
                 # float32 GPU kernels vs the CPU reference
                 assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < 2e-3, override
+
+
+def test_engine_on_gpu_takes_flattened_buckets(tiny_model_dir, hf_model, gpu_engine_env):
+    """The weight push's GPU paths (rollout/weight_push.py): perturbed HF weights, packed into flattened
+    CUDA buckets, reach the engine through CUDA IPC handles (the ``tensor`` sync), then the original ones
+    through a broadcast from this process over a gloo weight group (as colocated engines receive); the
+    engine's dense logprobs equal transformers' with the weights of each step."""
+    import copy
+
+    pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
+    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.learner.weights import buckets, read_hf_state_dict
+    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+    original = read_hf_state_dict(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    perturbed = {name: t + 0.05 * torch.randn(t.shape, generator=g) for name, t in original.items()}
+
+    def hf_logprobs(weights):
+        moved = copy.deepcopy(hf_model)
+        moved.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            logits = moved(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        return [float(logits[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+
+    engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(policy="none"), seed=0, max_total_tokens=4096,
+                           max_running_requests=16, attention_backend="torch_native")
+    try:
+        on_gpu = lambda weights: [[(n, t.cuda()) for n, t in b] for b in  # noqa: E731
+                                  buckets(iter(weights.items()), 64 * 1024, torch.float32)]
+        engine.update_weights(on_gpu(perturbed), version=1)  # CUDA IPC
+        via_ipc = engine.dense_logprobs(ids)
+        engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo", world_size=2)
+        engine.update_weights_broadcast(on_gpu(original), version=2)
+        via_broadcast = engine.dense_logprobs(ids)
+        served = engine.served_weight_version()
+    finally:
+        engine.shutdown()
+    assert served == "2"
+    for got, weights in ((via_ipc, perturbed), (via_broadcast, original)):
+        assert max(abs(a - b) for a, b in zip(got, hf_logprobs(weights))) < 2e-3  # float32 GPU kernels vs CPU

@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""Weight sync, learner -> engine: time per sync vs bytes moved, beside a plain copy of the same bytes.
+"""Weight push, learner -> engines: seconds per push beside a plain copy of the same bytes, with its parts.
 
-Builds the run's learner (its TP/PP layout) and engine exactly as training does, then times
-``EngineFleet.push_weights`` (stream the HF-named tensors from every TP/PP rank to rank 0 layer by
-layer, bucket them, push them, flush the cache, set and check the weight version) for each sync method
-and bucket size, and beside it on rank 0:
+Builds the run's learner (its TP/PP layout) and engines exactly as training does, then times
+``EngineFleet.push_weights`` for each sync method and bucket size: every owning rank packs its
+flattened buckets, the engines load them (shared buffers or a broadcast), the session ends with the
+new version and a cache flush, and the served version is checked. Measured in the same run, on rank 0:
 
-* ``gather``: streaming the tensors to rank 0 without pushing them (the learner-side share);
-* ``copy``: one ``Tensor.copy_`` of the same number of bytes (what moving the bytes costs on this
-  machine at memory speed).
+* ``copy``: ``Tensor.copy_`` of the same number of bytes (moving the bytes at memory speed), timed
+  before every timed push; the fastest of all counts, as for the pushes;
+* ``gather``: the former push's learner side alone, streaming every HF tensor to rank 0.
 
-Prints ``name=value`` lines, ratios (sync / copy) last, and writes ``--json``.
+Each push prints every rank's parts (``time/sync_*`` in docs/metrics.md: pack, send, wait, load,
+session), summed over buckets (they overlap in time), and then one more push with the post-push
+dense-logprob check, whose cost is given apart. Prints ``name=value`` lines, ratios to the copy last,
+and writes ``--json``.
 
-    python tools/bench_sync.py examples/cpu_smollm2.yaml --buckets 16,64,256 --json runs/bench_sync.json
+    python tools/bench_sync.py examples/cpu_smollm2.yaml --repeats 5 --json runs/bench_sync.json
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run config whose model, layout and engine are used (default: examples/cpu_tiny.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override (repeatable), as in tools/launch.py")
-    p.add_argument("--buckets", default="4,16,64,256", help="bucket sizes in MB, comma-separated")
+    p.add_argument("--buckets", default=None,
+                   help="bucket sizes in MB, comma-separated (default: the config's trainer.sync_bucket_mb)")
     p.add_argument("--methods", default="tensor,broadcast", help="sync methods: tensor, broadcast")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per setting; the fastest counts (CPU noise)")
     p.add_argument("--json", default=None, help="write all figures here")
@@ -87,15 +91,23 @@ def bench(args: argparse.Namespace) -> None:
         figures: dict = {"config": {**vars(args), "world_size": dist.get_world_size(),
                                     "tp": cfg.parallel.tensor_model_parallel_size,
                                     "pp": cfg.parallel.pipeline_model_parallel_size}, "sync": {}, "parts": {}}
+        dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+        nbytes = elements[0] * dtype.itemsize
+        copies: list[float] = []  # every timing of the plain copy (rank 0)
+        src = torch.empty(nbytes // 4, dtype=torch.float32).normal_() if rank == 0 else None
+        dst = torch.empty_like(src) if rank == 0 else None
+
+        def copy_once() -> None:
+            if rank == 0:
+                started = time.perf_counter()
+                dst.copy_(src)
+                copies.append(time.perf_counter() - started)
+        for _ in range(args.repeats):
+            copy_once()
         if rank == 0:
-            dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
-            nbytes = elements[0] * dtype.itemsize
-            src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
-            dst = torch.empty_like(src)
-            copy_s = _fastest(lambda: dst.copy_(src), args.repeats)
-            figures.update(bytes=nbytes, gather_s=gather_s, copy_s=copy_s)
+            figures.update(bytes=nbytes, gather_s=gather_s)
             print(f"[bench_sync] {nbytes / 2**20:.1f} MiB of weights; gather to rank 0 {gather_s:.3f} s, "
-                  f"plain copy {copy_s:.4f} s", flush=True)
+                  f"plain copy {min(copies):.4f} s", flush=True)
         fleet, version = trainer.fleet, trainer.fleet.version
         probe = list(range(1, 33))  # a 32-token sequence for the post-push logprob check
         for method in [m for m in args.methods.split(",") if m]:
@@ -103,10 +115,12 @@ def bench(args: argparse.Namespace) -> None:
             fleet.consumers = consumers_of(fleet.placements, method, torch.cuda.is_available())
             if weight_group_size(fleet.consumers) > 1 and fleet.group_name is None:  # every rank
                 fleet.form_weight_group()
-            for mb in [float(b) for b in args.buckets.split(",") if b]:
+            sizes = args.buckets.split(",") if args.buckets else [str(cfg.trainer.sync_bucket_mb)]
+            for mb in [float(b) for b in sizes if b]:
                 cfg.trainer.sync_bucket_mb = mb
                 best = None
                 for _ in range(args.repeats):
+                    copy_once()  # side by side: the machine's state of the moment for both
                     started = time.perf_counter()
                     parts = fleet.push_weights(None, version, PhaseTimer())
                     seconds = time.perf_counter() - started
@@ -128,6 +142,7 @@ def bench(args: argparse.Namespace) -> None:
                               for r, t in enumerate(everyone)) + f"; then the logprob check {checked['time/sync_check_s']:.3f} s",
                           flush=True)
         if rank == 0:
+            figures["copy_s"] = min(copies)
             lines = [f"bytes={figures['bytes']}", f"gather_s={gather_s:.4f}", f"copy_s={figures['copy_s']:.5f}"]
             lines += [f"sync_s.{k}={v:.4f}" for k, v in figures["sync"].items()]
             lines += [f"check_s.{k}={v['check_s']:.4f}" for k, v in figures["parts"].items()]

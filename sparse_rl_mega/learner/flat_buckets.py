@@ -81,9 +81,10 @@ class PushPlan:
     def owners(self) -> list[int]:
         return sorted({b.owner for b in self.buckets})
 
-    def largest_bucket(self, owner: int) -> int:
-        """Bytes of ``owner``'s largest bucket (its buffers' size)."""
-        return max((b.nbytes for b in self.owned_by(owner)), default=0)
+    def buffer_bytes(self, owner: int) -> tuple[int, int]:
+        """The sizes of ``owner``'s two buffers: its j-th bucket goes into buffer j % 2."""
+        mine = self.owned_by(owner)
+        return tuple(max((b.nbytes for b in mine[slot::2]), default=0) for slot in (0, 1))
 
     @property
     def nbytes(self) -> int:

@@ -633,7 +633,12 @@ class RolloutEngine:
     def _submit(self, fn: Callable, *args, **kwargs) -> Future:
         if self.failure is not None:
             raise self.failure
-        return self._caller.submit(fn, *args, **kwargs)
+
+        def call():
+            if self.failure is not None:  # queued before the engine failed: never sent to it (it would hang
+                raise self.failure        # this thread, and the process's exit that waits for it)
+            return fn(*args, **kwargs)
+        return self._caller.submit(call)
 
     def _wait(self, phase: str, future: Future):
         """The result of a submitted call; :class:`EngineFailure` naming ``phase`` when an engine process

@@ -79,17 +79,18 @@ class Consumer:
 
 class PushBuffers:
     """An owner's two bucket buffers (uint8), kept across pushes: host shared memory on CPU, device
-    memory on GPU. Grown when a plan needs larger ones."""
+    memory on GPU; its j-th bucket goes into buffer j % 2. Replaced when a plan needs other sizes."""
 
     def __init__(self):
         self.buffers: list[torch.Tensor] = []
 
-    def get(self, slot: int, nbytes: int, device: torch.device, shared: bool) -> torch.Tensor:
-        if not self.buffers or self.buffers[0].numel() < nbytes or self.buffers[0].device != device:
-            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-            if shared and device.type == "cpu":
+    def get(self, own: int, sizes: tuple[int, int], device: torch.device, shared: bool) -> torch.Tensor:
+        """The buffer of this owner's bucket number ``own``; ``sizes``: ``PushPlan.buffer_bytes``."""
+        if [(b.numel(), b.device) for b in self.buffers] != [(n, device) for n in sizes]:
+            self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+            if shared and device.type == "cpu":  # (a file descriptor an engine can map)
                 self.buffers = [b.share_memory_() for b in self.buffers]
-        return self.buffers[slot % 2]
+        return self.buffers[own % 2]
 
     @property
     def nbytes(self) -> int:
@@ -201,7 +202,7 @@ class WeightPush:
             self._wait(keys, f"engines did not finish loading bucket {previous}")
             for key in keys:
                 self.store.delete_key(key)
-        flat = self.buffers.get(own, self.plan.largest_bucket(self.rank), self.device, shared=bool(self.shared))
+        flat = self.buffers.get(own, self.plan.buffer_bytes(self.rank), self.device, shared=bool(self.shared))
         started = time.perf_counter()
         pack_bucket(self.plan, bucket, flat, self.shards, self.arch)
         self.times.pack_s += time.perf_counter() - started

@@ -133,10 +133,10 @@ def plan_push(shards: list, arch: ArchConfig, dtype: torch.dtype, bucket_bytes: 
         parts = split(entry, torch.empty(group.shape, device="meta"), arch)
         names = hf_names(entry, group.layer if entry.per_layer else None)
         nbytes = sum(part.numel() for part in parts) * itemsize
-        mine = per_owner.setdefault(owner, [])
-        if not mine or (mine[-1].nbytes and mine[-1].nbytes + nbytes > bucket_bytes):
-            mine.append(PlannedBucket(0, owner, [], 0))
-        last = mine[-1]
+        owned = per_owner.setdefault(owner, [])
+        if not owned or (owned[-1].nbytes and owned[-1].nbytes + nbytes > bucket_bytes):
+            owned.append(PlannedBucket(0, owner, [], 0))
+        last = owned[-1]
         offset = last.nbytes
         for name, part in zip(names, parts):
             size = part.numel() * itemsize

@@ -117,9 +117,10 @@ def serialize_bucket(flat: torch.Tensor, slots: list, nbytes: int, dtype: torch.
 
 class WeightPush:
     """One push of ``plan`` (identical on every rank) as weight ``version``. ``engine``: the engine this
-    rank hosts (None elsewhere; a failed one is skipped); ``consumers``: every engine; ``group``: the
-    weight group's name (engines with the ``group`` transport); ``timeout_s`` bounds every wait for
-    another rank."""
+    rank hosts, ``my_engine`` its index (None elsewhere; a failed one is skipped); ``consumers``: every
+    engine; ``store``: this rank's connection to the job's store (:func:`push_store`), keys under
+    ``push_id``; ``timeout_s`` bounds every wait for another rank; ``group_name``: the weight group's
+    (engines with the ``group`` transport)."""
 
     def __init__(self, plan: PushPlan, shards: list, arch, version: int, engine: Optional[RolloutEngine],
                  my_engine: Optional[int], consumers: list[Consumer], buffers: PushBuffers, store, push_id: int,
@@ -189,6 +190,7 @@ class WeightPush:
             self._finish(None, received)
         if self.me is not None:
             self._end()
+        self._collect_loaded(self.plan.owned_by(self.rank)[-2:])
         return self.failure
 
     def _version_if_last(self, bucket: PlannedBucket) -> Optional[int]:
@@ -196,12 +198,8 @@ class WeightPush:
 
     # ------------------------------------------------------------------ owner
     def _pack_and_publish(self, bucket: PlannedBucket, own: int) -> None:
-        if own >= 2 and self.shared:  # its buffer held the bucket before last: every reader must be done
-            previous = self.plan.owned_by(self.rank)[own - 2].index
-            keys = [self._key(previous, f"loaded{c.index}") for c in self.shared]
-            self._wait(keys, f"engines did not finish loading bucket {previous}")
-            for key in keys:
-                self.store.delete_key(key)
+        if own >= 2:  # its buffer held the bucket before last: every reader must be done with it
+            self._collect_loaded([self.plan.owned_by(self.rank)[own - 2]])
         flat = self.buffers.get(own, self.plan.buffer_bytes(self.rank), self.device, shared=bool(self.shared))
         started = time.perf_counter()
         pack_bucket(self.plan, bucket, flat, self.shards, self.arch)
@@ -221,6 +219,17 @@ class WeightPush:
                 if self.failure is None:  # (blamed on this host's engine: every engine restarts)
                     self.failure = self.engine.broadcast_failed(exc)
             self.times.send_s += time.perf_counter() - started
+
+    def _collect_loaded(self, buckets: list[PlannedBucket]) -> None:
+        """Wait until every engine reading shared buffers loaded ``buckets`` (this rank's), and drop the
+        store's keys that said so. (A push's last two buckets are waited for at its end: the store keeps
+        no key from one push to the next.)"""
+        for bucket in buckets:
+            keys = [self._key(bucket.index, f"loaded{c.index}") for c in self.shared]
+            if keys:
+                self._wait(keys, f"the engines did not finish loading bucket {bucket.index}")
+            for key in keys:
+                self.store.delete_key(key)
 
     # ------------------------------------------------------------------ engine host
     def _take_key(self, bucket: PlannedBucket) -> str:

@@ -10,7 +10,8 @@ new version and a cache flush, and the served version is checked. Measured in th
   before every timed push; the fastest of all counts, as for the pushes;
 * ``gather``: the former push's learner side alone, streaming every HF tensor to rank 0.
 
-Each push prints every rank's parts (``time/sync_*`` in docs/metrics.md: pack, send, wait, load,
+Each setting starts with an untimed push (it allocates the owners' buffers, which the engines then map
+once). Each push prints every rank's parts (``time/sync_*`` in docs/metrics.md: pack, send, wait, load,
 session), summed over buckets (they overlap in time), and then one more push with the post-push
 dense-logprob check, whose cost is given apart. Prints ``name=value`` lines, ratios to the copy last,
 and writes ``--json``.
@@ -118,6 +119,7 @@ def bench(args: argparse.Namespace) -> None:
             sizes = args.buckets.split(",") if args.buckets else [str(cfg.trainer.sync_bucket_mb)]
             for mb in [float(b) for b in sizes if b]:
                 cfg.trainer.sync_bucket_mb = mb
+                fleet.push_weights(None, version, PhaseTimer())  # untimed: allocates and maps the buffers
                 best = None
                 for _ in range(args.repeats):
                     copy_once()  # side by side: the machine's state of the moment for both

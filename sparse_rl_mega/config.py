@@ -325,14 +325,14 @@ class TrainerConfig:
     # learner's and log the largest difference (sync/max_abs_logprob_diff).
     verify_sync: bool = True
     # a weight push moves flattened buckets of at most this many MB; every rank that owns buckets (the
-    # first TP rank of each pipeline stage; rank 0 with a GPU broadcast) holds two buffers of its
-    # largest one, kept between pushes (--plan counts them)
+    # first TP rank of each pipeline stage) holds two buffers of them, kept between pushes (--plan
+    # counts them)
     sync_bucket_mb: float = 256.0
     # how weights reach the engines (rollout/weight_push.py): "tensor" (the engine maps each bucket from
     # its owner's shared buffer: host shared memory on CPU, CUDA IPC on GPU; one colocated engine) or
-    # "broadcast" (rank 0 broadcasts each bucket over a weight group, NCCL on GPU; needed by several
-    # engines and by engines on other devices or nodes; on CPU, engines on the first node read shared
-    # buffers and only those on other nodes join the group, over gloo)
+    # "broadcast" (each owner broadcasts its buckets over a weight group of its own, NCCL on GPU;
+    # needed by several engines and by engines on other devices or nodes; on CPU, engines read the
+    # buckets of owners on their node from shared buffers, the others' over gloo)
     sync_method: Literal["tensor", "broadcast"] = "tensor"
     torch_threads: int = 1
     # an optimizer step whose loss or gradient norm is NaN/Inf is skipped (weights and optimizer state

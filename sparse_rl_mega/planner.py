@@ -208,20 +208,20 @@ class MemoryPlan:
 
 def push_buffer_bytes(cfg: RunConfig, stage: int) -> int:
     """The two flattened-bucket buffers of the rank that owns stage ``stage``'s buckets (its first TP
-    rank; with the broadcast sync on GPU rank 0 owns every bucket), bucket k in buffer k % 2. Each is as
-    large as the largest bucket it takes: ``trainer.sync_bucket_mb``, or a larger HF tensor alone (a
-    tensor is never split): counted as the two largest tensors (the embedding and the output layer, or
-    the embedding and an MLP matrix when they are tied), at most the HF bytes the rank owns."""
+    rank), bucket k in buffer k % 2. Each is as large as the largest bucket it takes:
+    ``trainer.sync_bucket_mb``, or a larger HF tensor alone (a tensor is never split): counted as the
+    stage's two largest tensors (the embedding and output layer it holds, else MLP matrices), at most
+    the stage's HF bytes."""
     a, pp = cfg.model.arch, cfg.parallel.pipeline_model_parallel_size
-    central = cfg.trainer.sync_method == "broadcast"
-    if central and stage != 0:
-        return 0
     dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
-    owned = (total_params(a) if central else stage_params(a, 1, pp, stage)) * dtype_bytes
+    owned = stage_params(a, 1, pp, stage) * dtype_bytes
     bucket = int(cfg.trainer.sync_bucket_mb * 2**20)
     vocab, mlp = a.vocab_size * a.hidden_size * dtype_bytes, a.ffn_hidden_size * a.hidden_size * dtype_bytes
-    second = mlp if a.tie_word_embeddings else vocab
-    return min(max(bucket, vocab), owned) + min(max(bucket, second), owned)
+    # HF tensors of vocabulary rows here: the embedding on the first stage, the output layer on the last
+    # (none with tied embeddings: the HF model has one)
+    vocabs = int(stage == 0) + int(stage == pp - 1 and not a.tie_word_embeddings)
+    largest = [vocab] * vocabs + [mlp] * 2
+    return sum(min(max(bucket, size), owned) for size in largest[:2])
 
 
 def learner_memory(cfg: RunConfig, prompt_tokens: int, stage: int) -> LearnerMemory:
@@ -385,7 +385,7 @@ def format_plan(cfg: RunConfig, plan: MemoryPlan) -> str:
         lines.append(f"  reference    {gib(lm.reference_bytes):>9} GiB  (frozen KL reference, algorithm.kl_coef > 0)")
     if lm.push_buffer_bytes:
         lines.append(f"  push buffers {gib(lm.push_buffer_bytes):>9} GiB  (2 flattened buckets of the weight push, "
-                     f"on the stage's first TP rank{', rank 0 packs every bucket' if cfg.trainer.sync_method == 'broadcast' else ''})")
+                     f"on the stage's first TP rank)")
     lines += [
         f"  activations  {gib(lm.activation_bytes):>9} GiB  ({activations})",
         f"  total        {gib(lm.total_bytes):>9} GiB",

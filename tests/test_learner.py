@@ -111,7 +111,7 @@ def float64_bound(result: dict) -> float:
 
 def _assert_matches_hf(name: str, result: dict, record_property) -> None:
     assert result["same_names"] and result["bit_exact"], (name, result)
-    assert result["packed"] == {mode: {"names": True, "exact": True} for mode in ("per_owner", "central")}, result
+    assert result["packed"] == {"names": True, "exact": True}, result
     assert result["learner_dtype"] == "torch.float64", result
     bound = float64_bound(result)
     for key in ("max_abs_logit_diff", "max_abs_logprob_diff", "max_abs_entropy_diff"):

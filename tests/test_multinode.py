@@ -80,15 +80,18 @@ def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
         assert code == 0, out[-3000:] + err[-5000:]
     head_out = outputs[0][1] + outputs[1][1]
     assert f"[iter {iterations}/{iterations}]" in head_out
-    # engine 0 reads node 0's shared buffers; engine 1 (node 1) receives broadcasts from rank 0
-    assert "weight broadcast group of 2 members" in head_out
+    # each stage's owner: its node's engine reads its shared buffers, the other node's engine receives its
+    # broadcasts (colocated PP2: rank 0 and rank 1 each own a group; separate DP2: rank 0 owns the model)
+    groups = 2 if placement == "colocated" else 1
+    formed = 2 if placement == "colocated" else 1  # (again after the engines restarted, below)
+    assert head_out.count("weight broadcast group of 2 members") == groups * formed, head_out[-3000:]
+    assert "members: rank 0's (gloo" in head_out and ("members: rank 1's (gloo" in head_out) == (placement == "colocated")
     if placement == "colocated":
         assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in head_out
-        assert "restarting every engine (one weight group)" in head_out
+        assert "restarting every engine (they share the weight groups)" in head_out
         assert "[engine] every engine restarted and given weights version 0" in head_out
         # (processes forked from the rank's server again: rollout/forkserver.py)
         assert re.search(r"every engine restarted .*; forked from this process\)", head_out), head_out[-3000:]
-        assert head_out.count("weight broadcast group of 2 members") == 2
         assert _history(run_dir, "engine/restarts") == {0: 1.0}
 
     steps = range(iterations)

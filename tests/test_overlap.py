@@ -110,7 +110,7 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
     assert not differences, differences
     # the engine killed while generating ahead: restarted with weights 4, iteration 5's batch sampled again
     assert "[engine] engine 0 (on rank 0) failed in rollout: its scheduler process" in proc.stdout
-    assert "[engine] every engine restarted and given weights version 4" in proc.stdout  # (one weight group)
+    assert "[engine] every engine restarted and given weights version 4" in proc.stdout  # (they share the weight groups)
     assert re.search(r"every engine restarted .*; forked from this process\)", proc.stdout)  # (rollout/forkserver.py)
     assert (resumed[4]["rollout/weight_version"], resumed[4]["rollout/staleness_max"]) == (4, 0)
     # the tracking server killed at iteration 4 and started again: the values waited and were sent late

@@ -14,30 +14,41 @@ from sparse_rl_mega.config import load_config
 from sparse_rl_mega.planner import push_buffer_bytes
 from sparse_rl_mega.ports import free_port
 from sparse_rl_mega.rollout.placement import engine_placements
-from sparse_rl_mega.rollout.weight_push import consumers_of, share_authkey, weight_group_size
+from sparse_rl_mega.rollout.weight_push import consumers_of, share_authkey, transport, weight_groups
 from tests.conftest import ROOT
 
 
-def test_each_engine_gets_its_transport():
-    two_nodes = engine_placements(nnodes=2, nproc_per_node=2, num_engines=4, engine_tp=2, placement="separate")
-    # CPU: engines on rank 0's node read shared buffers, the others join the group after rank 0
-    cpu = consumers_of(two_nodes, "broadcast", on_gpu=False)
-    assert [c.transport for c in cpu] == ["shared", "shared", "group", "group"]
-    assert [c.rank_offset for c in cpu if c.transport == "group"] == [1, 3] and weight_group_size(cpu) == 5
-    gpu = consumers_of(two_nodes, "broadcast", on_gpu=True)  # NCCL carries every engine's buckets
-    assert [c.rank_offset for c in gpu] == [1, 3, 5, 7] and weight_group_size(gpu) == 9
-    one = engine_placements(nnodes=1, nproc_per_node=2, num_engines=1, engine_tp=1, placement="colocated")
-    assert [c.transport for c in consumers_of(one, "tensor", on_gpu=True)] == ["shared"]
-    assert weight_group_size(consumers_of(one, "tensor", on_gpu=False)) == 1  # no group at all
+def test_each_owner_and_engine_get_their_transport():
+    # 2 nodes x 2 ranks, learner PP2 (owners: rank 0 on node 0, rank 2 on node 1), 4 engines x TP 2
+    engines = consumers_of(engine_placements(nnodes=2, nproc_per_node=2, num_engines=4, engine_tp=2,
+                                             placement="separate"))
+    owners = [0, 2]
+    # CPU: shared buffers within a node; each owner broadcasts to the other node's engines over its group
+    cpu = weight_groups(engines, owners, "broadcast", on_gpu=False, nproc_per_node=2, generation=1)
+    assert [(g.owner, g.members, g.size) for g in cpu] == [(0, ((2, 1), (3, 3)), 5), (2, ((0, 1), (1, 3)), 5)]
+    assert transport(engines[0], 0, "broadcast", False, 2) == "shared"
+    assert transport(engines[0], 2, "broadcast", False, 2) == "group"
+    # GPU broadcast: every owner to every engine (NCCL); no stage's tensors go through another stage
+    gpu = weight_groups(engines, owners, "broadcast", on_gpu=True, nproc_per_node=2, generation=3)
+    assert [(g.owner, g.size, g.offset_of(3)) for g in gpu] == [(0, 9, 7), (2, 9, 7)]
+    assert gpu[1].name.endswith("_3_r2") and gpu[0].name != cpu[0].name  # new names each time they form
+    one = consumers_of(engine_placements(nnodes=1, nproc_per_node=2, num_engines=1, engine_tp=1,
+                                         placement="colocated"))
+    assert weight_groups(one, [0, 1], "tensor", on_gpu=True, nproc_per_node=2, generation=1) == []  # CUDA IPC
 
 
 def test_plan_counts_two_bucket_buffers():
     cfg = load_config(ROOT / "examples" / "cpu_smollm2.yaml", ["trainer.sync_bucket_mb=64"])
     a = cfg.model.arch  # tied embeddings: the embedding (113 MiB in float32) alone, then buckets of 64 MiB
     assert push_buffer_bytes(cfg, 0) == a.vocab_size * a.hidden_size * 4 + 64 * 2**20
-    cfg = load_config(ROOT / "examples" / "70b_math.yaml", [])  # broadcast: rank 0 packs every bucket
-    embedding = cfg.model.arch.vocab_size * cfg.model.arch.hidden_size * 2
-    assert push_buffer_bytes(cfg, 0) == 2 * embedding and push_buffer_bytes(cfg, 1) == 0
+    assert push_buffer_bytes(cfg, 1) == 2 * 64 * 2**20  # the last stage: layers, the final norm
+    cfg = load_config(ROOT / "examples" / "70b_math.yaml", [])  # PP8, untied, buckets of 1024 MB, bf16
+    embedding = cfg.model.arch.vocab_size * cfg.model.arch.hidden_size * 2  # 2.0 GiB: its own bucket
+    assert push_buffer_bytes(cfg, 0) == embedding + 2**30 and push_buffer_bytes(cfg, 7) == embedding + 2**30
+    assert push_buffer_bytes(cfg, 3) == 2 * 2**30
+    cfg = load_config(ROOT / "examples" / "70b_math.yaml", ["parallel.pipeline_model_parallel_size=1",
+                                                              "parallel.virtual_pipeline_model_parallel_size=1"])
+    assert push_buffer_bytes(cfg, 0) == 2 * embedding  # one stage holds the embedding and the output layer
 
 
 def _rank(rank: int, port: int, share: bool, results) -> None:

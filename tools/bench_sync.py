@@ -66,7 +66,6 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.learner.weights import stream_hf_tensors
     from sparse_rl_mega.rollout.engine import preload_cpu_engines
     from sparse_rl_mega.rollout.placement import hosts_an_engine
-    from sparse_rl_mega.rollout.weight_push import consumers_of, weight_group_size
     from sparse_rl_mega.trainer import PhaseTimer, Trainer
 
     cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
@@ -112,9 +111,8 @@ def bench(args: argparse.Namespace) -> None:
         fleet, version = trainer.fleet, trainer.fleet.version
         probe = list(range(1, 33))  # a 32-token sequence for the post-push logprob check
         for method in [m for m in args.methods.split(",") if m]:
-            cfg.trainer.sync_method = method
-            fleet.consumers = consumers_of(fleet.placements, method, torch.cuda.is_available())
-            if weight_group_size(fleet.consumers) > 1 and fleet.group_name is None:  # every rank
+            if method != cfg.trainer.sync_method:  # (every rank) the groups this method broadcasts over
+                cfg.trainer.sync_method = method
                 fleet.form_weight_group()
             sizes = args.buckets.split(",") if args.buckets else [str(cfg.trainer.sync_bucket_mb)]
             for mb in [float(b) for b in sizes if b]:

@@ -3,11 +3,10 @@ byte buffer holding several tensors at known offsets, SGLang's ``flattened_bucke
 bucket packed by the one rank that owns it.
 
 A bucket's tensors all come from one *owner*: the rank holding the first piece of each of its Megatron
-tensors (TP rank 0 of the pipeline stage, main data-parallel replica), or global rank 0 for every
-bucket when the buckets are to be broadcast from there (``central``). The owner writes its own shards
+tensors (TP rank 0 of the pipeline stage, main data-parallel replica). The owner writes its own shards
 straight into the bucket, in the HF layout (QKV de-interleaved, gate/up split, cast to the push dtype):
-one copy per byte. Pieces held by other ranks (the other TP ranks of the stage; with ``central`` every
-other stage) are sent to the owner point to point, in plan order, while it packs that bucket.
+one copy per byte. Pieces held by the other TP ranks of the stage are sent to the owner point to point,
+in plan order, while it packs that bucket.
 
 Every rank builds the same :class:`PushPlan` from the metadata of every rank's shards (one
 ``all_gather_object``), so engine hosts know each bucket's names, shapes and offsets without a byte
@@ -99,7 +98,7 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def plan_push(shards: list, arch: ArchConfig, dtype: torch.dtype, bucket_bytes: int, central: bool) -> PushPlan:
+def plan_push(shards: list, arch: ArchConfig, dtype: torch.dtype, bucket_bytes: int) -> PushPlan:
     """The buckets of a push of this model (collective). ``shards``: this rank's
     ``_local_shards(modules, main_replica_only=True)``. A bucket holds whole HF tensors of one owner,
     at most ``bucket_bytes`` of them in ``dtype`` (a larger tensor goes alone)."""
@@ -124,7 +123,7 @@ def plan_push(shards: list, arch: ArchConfig, dtype: torch.dtype, bucket_bytes: 
     ordered = []
     for (key, layer), group in groups.items():
         group.pieces.sort(key=lambda p: p.rank)
-        owner = 0 if central else group.pieces[0].rank
+        owner = group.pieces[0].rank
         ordered.append((owner, layer, order[key], group))
     ordered.sort(key=lambda g: g[:3])  # each owner's tensors together, by layer, in HF order
     per_owner: dict[int, list[PlannedBucket]] = {}

@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -495,39 +494,33 @@ class RolloutEngine:
         return version
 
     def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
-                             world_size: Optional[int] = None, group_name: str = WEIGHT_GROUP,
-                             engine_joins: bool = True) -> None:
-        """Create the weight broadcast group as its member 0 (the learner's rank 0), with this engine's
-        ranks as members 1..tp when ``engine_joins`` (else this engine reads shared buffers and other
-        engines are the members); ``world_size`` > 1 + tp when other engines join too
-        (:meth:`join_weight_group`). Everyone blocks until all joined, so this engine's half runs on the
-        call thread. A broadcast that gets no answer within ``timeout_s`` fails."""
-        from sglang.srt.utils import init_custom_process_group
+                             world_size: Optional[int] = None, group_name: str = WEIGHT_GROUP) -> None:
+        """Create a weight broadcast group as its member 0 (this process), with this engine's ranks as
+        members 1..tp; ``world_size`` > 1 + tp when other engines join too. A broadcast that gets no
+        answer within ``timeout_s`` fails. (The learner's pushes form their groups in ``fleet.py``.)"""
+        from sparse_rl_mega.rollout.weight_push import create_weight_group
 
         world_size = world_size or 1 + self.tp_size
-        # under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rank of a tcp:// rendezvous a client
-        # of a store the agent hosts (only for torchrun's own group): this group's rank 0 must host it
+        joining = self.submit_join_weight_group(master_address, master_port, 1, world_size, backend, group_name)
         with _without_launcher_env():
-            joined = self._submit(self.engine.init_weights_update_group, master_address, master_port, 1, world_size,
-                                  group_name, backend) if engine_joins else None
-            self._weight_group = init_custom_process_group(
-                backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size, rank=0,
-                group_name=group_name, timeout=timedelta(seconds=self.timeout_s))
-            ok, message = self._wait("weight group", joined) if joined is not None else (True, "")
-        if not ok:
-            raise RuntimeError(f"{self.name} could not join the weight-update group: {message}")
+            self._weight_group = create_weight_group(master_address, master_port, world_size, group_name, backend,
+                                                     self.timeout_s)
+        self.wait_join_weight_group(joining)
         self._weight_backend, self._group_name = backend, group_name
 
-    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          backend: str = "gloo", group_name: str = WEIGHT_GROUP) -> None:
-        """This engine's ranks join the weight group that another process's :meth:`connect_weight_group`
-        creates, as members ``rank_offset .. rank_offset + tp - 1``; blocks until everyone joined."""
+    def submit_join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str, group_name: str) -> Future:
+        """Ask this engine's ranks to join the weight group whose member 0 listens at
+        ``master_address:master_port``, as members ``rank_offset .. rank_offset + tp - 1`` (on the call
+        thread: it returns once every member joined)."""
         with _without_launcher_env():
-            ok, message = self._call("weight group", self.engine.init_weights_update_group, master_address,
-                                     master_port, rank_offset, world_size, group_name, backend)
+            return self._submit(self.engine.init_weights_update_group, master_address, master_port, rank_offset,
+                                world_size, group_name, backend)
+
+    def wait_join_weight_group(self, joining: Future) -> None:
+        ok, message = self._wait("weight group", joining)
         if not ok:
             raise RuntimeError(f"{self.name} could not join the weight-update group: {message}")
-        self._weight_group, self._group_name = "joined", group_name
 
     def release_memory(self) -> None:
         """Free the weights and KV pool for the colocated learner's training phase (GPU, memory saver)."""

@@ -4,7 +4,7 @@ start, the weight push from the learner to every engine with its check, and reco
 Recovery: an engine call that fails raises ``EngineFailure`` on its host (``rollout/engine.py``); at
 the end of the phase every rank learns which engines failed (one collective,
 ``supervisor.agree_on_failures``), the failed engines are restarted (every engine with the broadcast
-sync: they share one weight group), all ranks push them the current weights (same version; checked
+sync: they share the owners' weight groups), all ranks push them the current weights (same version; checked
 by version and dense logprobs as after every push), and the failed work is done again: a rollout
 shard with the same prompt-indexed seeds, so the batch is the one an uninterrupted run gets.
 Every method here is a collective (all ranks call it) unless it says otherwise.
@@ -19,11 +19,10 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.rollout.engine import (WEIGHT_GROUP, EngineFailure, EngineStart, RolloutEngine,
-                                           keep_process_on_child_crash)
+from sparse_rl_mega.rollout.engine import EngineFailure, EngineStart, RolloutEngine, keep_process_on_child_crash
 from sparse_rl_mega.rollout.placement import run_placements
-from sparse_rl_mega.rollout.weight_push import (PushBuffers, WeightPush, consumers_of, push_store, share_authkey,
-                                                weight_group_size)
+from sparse_rl_mega.rollout.weight_push import (PushBuffers, WeightGroup, WeightPush, consumers_of, create_weight_group,
+                                                push_store, share_authkey, transport, weight_groups)
 from sparse_rl_mega.rollout.supervisor import (EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures,
                                                gather_given)
 
@@ -44,12 +43,13 @@ class EngineFleet:
         self.supervisor: Optional[EngineSupervisor] = None
         self.learner = None  # set by ready(): the weights come from its modules
         self.restarts = 0  # engine restarts since reset by the trainer (every iteration)
-        self.groups = 0  # weight broadcast groups formed
-        self.group_name: Optional[str] = None  # the newest one's
+        self.groups = 0  # times the weight groups were formed (again after engines restart, new names)
+        self.weight_groups: dict[int, WeightGroup] = {}  # by owner: its group's name and members
+        self.group_handle = None  # the process group of the weight group this rank owns
         self.version = 0  # the weights every engine serves: those after this many iterations
         self.check_ids: Optional[list[int]] = None  # checks a restarted engine's weights (ready())
         # how each engine gets weights (weight_push.py); the plan, buffers and store of the pushes
-        self.consumers = consumers_of(self.placements, cfg.trainer.sync_method, torch.cuda.is_available())
+        self.consumers = consumers_of(self.placements)
         self.push_buffers = PushBuffers()
         self.pushes = 0
         self._plan = None  # (its key, PushPlan): the buckets depend only on the layout and the settings
@@ -84,37 +84,50 @@ class EngineFleet:
         self.form_weight_group()
         return seconds
 
+    def transport_of(self, consumer, owner: int) -> str:
+        """How ``owner``'s buckets reach engine ``consumer`` in this run (``weight_push.transport``)."""
+        cfg = self.cfg
+        return transport(consumer, owner, cfg.trainer.sync_method, torch.cuda.is_available(),
+                         cfg.parallel.nproc_per_node)
+
     def form_weight_group(self) -> None:
-        """Rank 0 and every engine that receives weights by broadcast (``weight_push.consumers_of``) join
-        one weight group (again after engines restart, under a new name); no group when none does."""
+        """Every rank that owns buckets and broadcasts them to some engine forms a weight group with
+        those engines' ranks, as its member 0 (``weight_push.weight_groups``); again after engines
+        restart, under new names. Each group is formed by all ranks in turn (its owner says where)."""
         from sparse_rl_mega.ports import free_port
+        from sparse_rl_mega.rollout.engine import _without_launcher_env
 
         cfg = self.cfg
-        size = weight_group_size(self.consumers)
-        if size == 1:
-            return
         self.groups += 1
-        name = WEIGHT_GROUP if self.groups == 1 else f"{WEIGHT_GROUP}_{self.groups}"
-        address = [None]
-        if self.rank == 0:  # rank 0 hosts the group's store: the launcher's master address reaches it
-            host = os.environ.get("MASTER_ADDR", "127.0.0.1") if cfg.parallel.nnodes > 1 else "127.0.0.1"
-            address = [(host, free_port())]
-        dist.broadcast_object_list(address, src=0)
-        host, port = address[0]
-        # NCCL refuses two members on one GPU: a colocated engine shares rank 0's GPU, so colocated
-        # engines receive over gloo (staged through host memory); separate engines over NCCL
+        self.weight_groups = {g.owner: g for g in weight_groups(
+            self.consumers, self.owners(), cfg.trainer.sync_method, torch.cuda.is_available(),
+            cfg.parallel.nproc_per_node, self.groups)}
+        self.group_handle = None
+        # NCCL refuses two members on one GPU: a colocated engine shares a learner rank's GPU, so
+        # colocated engines receive over gloo (staged through host memory); separate engines over NCCL
         backend = "nccl" if torch.cuda.is_available() and cfg.rollout.placement == "separate" else "gloo"
-        mine = self._my_consumer()
-        if self.rank == 0:
-            self.engine.connect_weight_group(host, port, backend=backend, world_size=size, group_name=name,
-                                             engine_joins=mine.transport == "group")
-        elif mine is not None and mine.transport == "group":
-            self.engine.join_weight_group(host, port, mine.rank_offset, size, backend=backend, group_name=name)
-        self.group_name = name
-        self.log(f"[setup] weight broadcast group of {size} members joined ({backend}, {host}:{port})")
+        for owner, group in self.weight_groups.items():
+            address = [None]
+            if self.rank == owner:  # the owner hosts the group's store
+                address = [(_address_for_others(cfg, self.rank), free_port())]
+            dist.broadcast_object_list(address, src=owner)
+            host, port = address[0]
+            offset = group.offset_of(self.placement.index if self.placement is not None else None)
+            joining = None
+            if offset is not None:  # this rank's engine joins (on its call thread: the owner's half blocks)
+                joining = self.engine.submit_join_weight_group(host, port, offset, group.size, backend, group.name)
+            if self.rank == owner:
+                with _without_launcher_env():
+                    self.group_handle = create_weight_group(host, port, group.size, group.name, backend,
+                                                            cfg.rollout.engine_timeout_s)
+            if joining is not None:
+                self.engine.wait_join_weight_group(joining)
+            self.log(f"[setup] weight broadcast group of {group.size} members: rank {owner}'s ({backend}, "
+                     f"{host}:{port})")
 
-    def _my_consumer(self):
-        return next((c for c in self.consumers if self.placement is not None and c.index == self.placement.index), None)
+    def owners(self) -> list[int]:
+        """The ranks that own buckets (the first TP rank of every pipeline stage), from the plan."""
+        return self._push_plan().owners
 
     # ------------------------------------------------------------------ work on the engines
     def sample(self, work: Callable[[RolloutEngine], T], version: int) -> Optional[T]:
@@ -209,30 +222,33 @@ class EngineFleet:
             metrics["time/sync_check_s"] = time.perf_counter() - started
         return metrics, failure
 
-    def _weight_push(self, version: int) -> WeightPush:
-        """A push of the learner's current weights as ``version`` (the plan is made once per layout)."""
+    def _push_plan(self):
+        """The buckets of a push (made once per layout and settings; collective the first time)."""
         from sparse_rl_mega.learner.flat_buckets import plan_push
         from sparse_rl_mega.learner.weights import _local_shards
 
         cfg = self.cfg
         dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
         bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
-        central = any(c.transport == "group" for c in self.consumers)
         if self._shards is None or self._shards[0] is not self.learner:
             # views of the learner's parameters, which Megatron updates in place (optimizer steps,
             # checkpoint loads): taken once, as the plan
             self._shards = (self.learner, _local_shards(self.learner.modules, main_replica_only=True))
-        shards = self._shards[1]
-        key = (dtype, bucket_bytes, central)
+        key = (dtype, bucket_bytes)
         if self._plan is None or self._plan[0] != key:
-            self._plan = (key, plan_push(shards, cfg.model.arch, dtype, bucket_bytes, central))
+            self._plan = (key, plan_push(self._shards[1], cfg.model.arch, dtype, bucket_bytes))
+        return self._plan[1]
+
+    def _weight_push(self, version: int) -> WeightPush:
+        """A push of the learner's current weights as ``version``."""
+        plan = self._push_plan()
         if self._store is None:
             self._store = push_store()
         self.pushes += 1
-        return WeightPush(self._plan[1], shards, cfg.model.arch, version, self.engine,
+        return WeightPush(plan, self._shards[1], self.cfg.model.arch, version, self.engine,
                           self.placement.index if self.placement is not None else None, self.consumers,
-                          self.push_buffers, self._store, self.pushes, timeout_s=cfg.rollout.engine_timeout_s + 60,
-                          group_name=self.group_name)
+                          self.transport_of, self.weight_groups, self.group_handle, self.push_buffers, self._store,
+                          self.pushes, timeout_s=self.cfg.rollout.engine_timeout_s + 60)
 
     def recover(self, failed: list, version: int, probe_ids: Optional[list[int]] = None) -> dict[str, float]:
         """Restart the engines in ``failed`` (every engine with the broadcast sync) and push them weights
@@ -240,7 +256,7 @@ class EngineFleet:
         ``rollout.max_engine_restarts`` every rank raises :class:`EnginesGaveUp` naming engine and phase."""
         broadcast = self.cfg.trainer.sync_method == "broadcast"
         for f in failed:
-            self.log(f"[engine] {f.line()}; restarting {'every engine (one weight group)' if broadcast else 'it'}")
+            self.log(f"[engine] {f.line()}; restarting {'every engine (they share the weight groups)' if broadcast else 'it'}")
         self.restarts += len(failed)
         started = time.perf_counter()
         error = None
@@ -295,3 +311,14 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
     if len(a) != len(b):
         raise RuntimeError(f"logprob lengths differ: engine {len(a)} vs learner {len(b)}")
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _address_for_others(cfg, rank: int) -> str:
+    """Where the other members reach a group store that ``rank`` hosts: loopback on one node; else the
+    launcher's master address for rank 0 (on the first node) and this host's name for the others (as
+    torchrun's rendezvous names a node)."""
+    import socket
+
+    if cfg.parallel.nnodes == 1:
+        return "127.0.0.1"
+    return os.environ.get("MASTER_ADDR", "127.0.0.1") if rank == 0 else socket.getfqdn()

@@ -1,25 +1,29 @@
 """One weight push from the learner's ranks to every engine, bucket by bucket
-(:mod:`sparse_rl_mega.learner.flat_buckets` plans and packs the buckets).
+(:mod:`sparse_rl_mega.learner.flat_buckets` plans and packs the buckets: each pipeline stage's first
+TP rank, its *owner*, packs the stage's own tensors).
 
-Each engine gets the buckets by one of two transports:
+A bucket reaches an engine by one of two transports, chosen per owner and engine (:func:`transport`):
 
 * ``shared``: the engine's scheduler reads the bucket from the owner's buffer itself, through SGLang's
   ``update_weights_from_tensor(load_format="flattened_bucket")``: the buffer is host shared memory on
   CPU (a file descriptor, passed by multiprocessing's resource sharer) or device memory on GPU (a CUDA
   IPC handle); only a handle of a few hundred bytes travels, through the job's c10d store. Used by the
-  ``tensor`` sync (one colocated engine), and on CPU by every engine on the first node: gloo has no
-  shared-memory transport (its loopback TCP moved 512 MiB at 2.3-3.9 GB/s here, 2.5-4x a memory copy),
-  where NCCL uses NVLink or shared memory within a node by itself.
-* ``group``: rank 0 broadcasts each bucket, one collective per bucket, over the weight group; the
+  ``tensor`` sync (one colocated engine), and on CPU between an owner and the engines of its node: gloo
+  has no shared-memory transport (its loopback TCP moved 512 MiB at 2.3-3.9 GB/s here, 2.5-4x a memory
+  copy), where NCCL uses NVLink or shared memory within a node by itself.
+* ``group``: the owner broadcasts each of its buckets, one collective per bucket, over a weight group of
+  its own (SGLang receives from member 0 of a named group, so each owner is member 0 of one); the
   engine's ranks receive it with ``update_weights_from_distributed(load_format="flattened_bucket")``.
-  Every engine of the ``broadcast`` sync on GPU (NCCL), and engines on other nodes on CPU (gloo). Rank
-  0 then owns every bucket (the others' pieces are sent to it).
+  The ``broadcast`` sync on GPU (NCCL; gloo for colocated engines), and on CPU an owner's buckets into
+  the engines of other nodes (gloo). No stage's tensors travel through another stage.
 
 The buckets are pipelined: an owner packs bucket k+1 into its second buffer while the engines load
 bucket k from the first, and reuses a buffer only after every engine that reads it has loaded it (the
-engine hosts say so in the store). A push holds two buffers per owner, of its largest bucket each,
-kept from one push to the next. The last bucket carries the new weight version, so the engine serves
-it from that bucket on; one cache flush follows the whole push.
+engine hosts say so in the store; a broadcast is done when it returns). A push holds two buffers per
+owner, kept from one push to the next. Every engine takes the buckets in plan order (the owners' in
+turn), so no wait can close a circle: bucket k waits only for buckets before it. The last bucket
+carries the new weight version, so the engine serves it from that bucket on; one cache flush follows
+the whole push.
 
 Every rank calls :meth:`WeightPush.run`; an engine that fails meanwhile is recorded (its host goes on
 marking buckets loaded, so that the owners and the collectives finish) and restarted by the fleet.
@@ -39,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.learner.flat_buckets import PlannedBucket, PushPlan, holds_pieces, pack_bucket, send_pieces
-from sparse_rl_mega.rollout.engine import EngineFailure, RolloutEngine
+from sparse_rl_mega.rollout.engine import WEIGHT_GROUP, EngineFailure, RolloutEngine
 
 STORE_PREFIX = "sparse_rl_mega/weight_push/"
 
@@ -67,14 +71,49 @@ class PushTimes:
         return {f"time/sync_{k}": v for k, v in vars(self).items()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Consumer:
-    """An engine a push feeds, as its host knows it."""
+    """An engine a push feeds."""
     index: int
     host_rank: int
     tp: int
-    transport: str  # shared | group
-    rank_offset: int = 0  # group: its first member number in the weight group (rank 0 is member 0)
+    node: int
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """The weight group of one owner: the owner is member 0; ``members``: (engine index, its first
+    member number) of the engines that receive this owner's buckets by broadcast."""
+    owner: int
+    name: str
+    members: tuple[tuple[int, int], ...]
+    size: int
+
+    def offset_of(self, engine: Optional[int]) -> Optional[int]:
+        return next((offset for index, offset in self.members if index == engine), None)
+
+
+def transport(consumer: Consumer, owner: int, method: str, on_gpu: bool, nproc_per_node: int) -> str:
+    """How ``owner``'s buckets reach ``consumer``: ``shared`` for the ``tensor`` sync and, on CPU, within
+    a node; ``group`` otherwise (the ``broadcast`` sync on GPU, other nodes on CPU)."""
+    if method == "tensor" or (not on_gpu and consumer.node == owner // nproc_per_node):
+        return "shared"
+    return "group"
+
+
+def weight_groups(consumers: list[Consumer], owners: list[int], method: str, on_gpu: bool, nproc_per_node: int,
+                  generation: int) -> list[WeightGroup]:
+    """One group per owner that broadcasts to any engine, its members in engine order."""
+    groups = []
+    for owner in owners:
+        members, size = [], 1
+        for c in consumers:
+            if transport(c, owner, method, on_gpu, nproc_per_node) == "group":
+                members.append((c.index, size))
+                size += c.tp
+        if members:
+            groups.append(WeightGroup(owner, f"{WEIGHT_GROUP}_{generation}_r{owner}", tuple(members), size))
+    return groups
 
 
 class PushBuffers:
@@ -118,28 +157,28 @@ def serialize_bucket(flat: torch.Tensor, slots: list, nbytes: int, dtype: torch.
 class WeightPush:
     """One push of ``plan`` (identical on every rank) as weight ``version``. ``engine``: the engine this
     rank hosts, ``my_engine`` its index (None elsewhere; a failed one is skipped); ``consumers``: every
-    engine; ``store``: this rank's connection to the job's store (:func:`push_store`), keys under
-    ``push_id``; ``timeout_s`` bounds every wait for another rank; ``group_name``: the weight group's
-    (engines with the ``group`` transport)."""
+    engine; ``transport_of(consumer, owner)``: :func:`transport` for this run; ``groups``: the weight
+    groups by owner, ``group_handles``: the process group of the one this rank owns; ``store``: this
+    rank's connection to the job's store (:func:`push_store`), keys under ``push_id``; ``timeout_s``
+    bounds every wait for another rank."""
 
     def __init__(self, plan: PushPlan, shards: list, arch, version: int, engine: Optional[RolloutEngine],
-                 my_engine: Optional[int], consumers: list[Consumer], buffers: PushBuffers, store, push_id: int,
-                 timeout_s: float, group_name: Optional[str] = None):
+                 my_engine: Optional[int], consumers: list[Consumer], transport_of, groups: dict[int, WeightGroup],
+                 group_handle, buffers: PushBuffers, store, push_id: int, timeout_s: float):
         self.plan, self.shards, self.arch, self.version = plan, shards, arch, version
         self.engine, self.my_engine, self.consumers = engine, my_engine, consumers
-        self.buffers, self.store, self.timeout_s, self.group_name = buffers, store, timeout_s, group_name
+        self.transport_of, self.groups, self.group_handle = transport_of, groups, group_handle
+        self.buffers, self.store, self.timeout_s = buffers, store, timeout_s
         self.prefix = f"{push_id}/"
         self.rank = dist.get_rank()
         self.times = PushTimes()
         self.failure: Optional[EngineFailure] = None
-        self.shared = [c for c in consumers if c.transport == "shared"]
-        self.grouped = any(c.transport == "group" for c in consumers)
-        mine = [c for c in consumers if c.index == my_engine]
-        self.me: Optional[Consumer] = mine[0] if mine else None
+        self.me: Optional[Consumer] = next((c for c in consumers if c.index == my_engine), None)
+        # the engines reading this rank's buckets from its buffers
+        self.readers = [c for c in consumers if self.transport_of(c, self.rank) == "shared"]
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self.weight_group = engine.weight_group if engine is not None and self.grouped else None
-        self.group_broken = False
+        self.group_broken = False  # a broadcast over this rank's group failed: no more of them
         self._own_flat: Optional[torch.Tensor] = None  # the buffer of the bucket this rank packed last
         self.session = None  # the engine's begin_weight_update, submitted
 
@@ -161,13 +200,15 @@ class WeightPush:
         """This rank's part of the push; returns this host's engine failure, if any."""
         if self.me is not None:
             self._begin()
-        receives: list = []
-        if self.me is not None and self.me.transport == "group":  # the engine takes its receives in order
-            receives = [self._submit(lambda b=b: self.engine.submit_flat_receive(
-                b.slots, self.plan.dtype, self.group_name, self._version_if_last(b))) for b in self.plan.buckets]
-        pending: Optional[tuple[int, object]] = None  # the bucket this host's engine is loading
+        pending: Optional[tuple[Optional[int], object]] = None  # the bucket this host's engine is loading
         own = 0  # buckets this rank packed so far
         for bucket in self.plan.buckets:
+            way = self.transport_of(self.me, bucket.owner) if self.me is not None else None
+            submitted = None
+            if way == "group":  # asked for before this rank broadcasts it (when it is the owner)
+                group = self.groups[bucket.owner].name
+                submitted = (None, self._submit(lambda: self.engine.submit_flat_receive(
+                    bucket.slots, self.plan.dtype, group, self._version_if_last(bucket))))
             if bucket.owner == self.rank:
                 self._pack_and_publish(bucket, own)
                 own += 1
@@ -175,19 +216,18 @@ class WeightPush:
                 started = time.perf_counter()
                 send_pieces(bucket, self.shards)
                 self.times.send_s += time.perf_counter() - started
-            if self.me is not None and self.me.transport == "shared":
+            if way == "shared":
                 payloads = self._take(bucket)
-                # queued behind the bucket the engine is loading (another buffer), so that the engine
-                # goes on without a round trip to this thread; then that one is marked loaded
                 submitted = (bucket.index, self._submit(lambda: self.engine.submit_flat_bucket(
                     payloads, self._version_if_last(bucket))))
+            if submitted is not None:
+                # queued behind the bucket the engine is loading, so that the engine goes on without a
+                # round trip to this thread; then that one is done (and marked loaded for its owner)
                 if pending is not None:
                     self._finish(*pending)
                 pending = submitted
         if pending is not None:
             self._finish(*pending)
-        for received in receives:
-            self._finish(None, received)
         if self.me is not None:
             self._end()
         self._collect_loaded(self.plan.owned_by(self.rank)[-2:])
@@ -200,57 +240,49 @@ class WeightPush:
     def _pack_and_publish(self, bucket: PlannedBucket, own: int) -> None:
         if own >= 2:  # its buffer held the bucket before last: every reader must be done with it
             self._collect_loaded([self.plan.owned_by(self.rank)[own - 2]])
-        flat = self.buffers.get(own, self.plan.buffer_bytes(self.rank), self.device, shared=bool(self.shared))
+        flat = self.buffers.get(own, self.plan.buffer_bytes(self.rank), self.device, shared=bool(self.readers))
         started = time.perf_counter()
         pack_bucket(self.plan, bucket, flat, self.shards, self.arch)
         self.times.pack_s += time.perf_counter() - started
-        for c in self.shared:
+        self._own_flat = flat
+        for c in self.readers:
             if c.index == self.my_engine:
                 continue  # handed to this rank's own engine directly (_take)
             self.store.set(self._key(bucket.index, f"payload{c.index}"),
                            pickle.dumps(serialize_bucket(flat, bucket.slots, bucket.nbytes, self.plan.dtype, c.tp)))
-        self._own_flat = flat
-        if self.grouped and not self.group_broken:  # rank 0 (it owns every bucket then): one broadcast each
+        if self.group_handle is not None and not self.group_broken:  # one broadcast per bucket
             started = time.perf_counter()
             try:
-                dist.broadcast(flat[:bucket.nbytes], src=0, group=self.weight_group)
-            except RuntimeError as exc:  # a member left (its engine died) or the group's timeout passed
-                self.group_broken = True
-                if self.failure is None:  # (blamed on this host's engine: every engine restarts)
-                    self.failure = self.engine.broadcast_failed(exc)
+                dist.broadcast(flat[:bucket.nbytes], src=0, group=self.group_handle)
+            except RuntimeError as exc:  # a member left (its engine died) or the group's timeout passed:
+                self.group_broken = True  # its host reports its engine's failure; the fleet restarts them
+                print(f"[engine] rank {self.rank}'s weight broadcast failed: {str(exc).splitlines()[0]}", flush=True)
             self.times.send_s += time.perf_counter() - started
 
     def _collect_loaded(self, buckets: list[PlannedBucket]) -> None:
-        """Wait until every engine reading shared buffers loaded ``buckets`` (this rank's), and drop the
-        store's keys that said so. (A push's last two buckets are waited for at its end: the store keeps
-        no key from one push to the next.)"""
+        """Wait until every engine reading this rank's buffers loaded ``buckets`` (this rank's), and drop
+        the store's keys that said so. (A push's last two buckets are waited for at its end: the store
+        keeps no key from one push to the next.)"""
         for bucket in buckets:
-            keys = [self._key(bucket.index, f"loaded{c.index}") for c in self.shared]
+            keys = [self._key(bucket.index, f"loaded{c.index}") for c in self.readers]
             if keys:
                 self._wait(keys, f"the engines did not finish loading bucket {bucket.index}")
             for key in keys:
                 self.store.delete_key(key)
 
     # ------------------------------------------------------------------ engine host
-    def _take_key(self, bucket: PlannedBucket) -> str:
-        return self._key(bucket.index, f"payload{self.me.index}")
-
     def _take(self, bucket: PlannedBucket) -> Optional[list[bytes]]:
         """The payloads of ``bucket`` for this host's engine (one per TP rank; None for a failed engine,
         whose host still takes what the owner published for it)."""
         if bucket.owner == self.rank:
-            failed = self.failure is not None or self.engine is None
-            return None if failed else serialize_bucket(self._own_flat, bucket.slots, bucket.nbytes, self.plan.dtype,
-                                                          self.me.tp)
-        key = self._take_key(bucket)
+            if self.failure is not None or self.engine is None:
+                return None
+            return serialize_bucket(self._own_flat, bucket.slots, bucket.nbytes, self.plan.dtype, self.me.tp)
+        key = self._key(bucket.index, f"payload{self.me.index}")
         self._wait([key], f"bucket {bucket.index} was not packed by rank {bucket.owner}")
         payloads = pickle.loads(self.store.get(key))
         self.store.delete_key(key)
         return payloads
-
-    def _loaded(self, bucket: int) -> None:
-        if any(c.index == self.me.index for c in self.shared):
-            self.store.set(self._key(bucket, f"loaded{self.me.index}"), b"1")
 
     def _submit(self, call):
         """``call()`` (an engine submission returning a future), or None once this engine failed."""
@@ -263,7 +295,7 @@ class WeightPush:
             return None
 
     def _finish(self, bucket: Optional[int], future) -> None:
-        """Wait for a bucket's load; then (shared transport) mark it loaded for its owner."""
+        """Wait for a bucket's load; then (``bucket`` given: it came from a shared buffer) tell its owner."""
         started = time.perf_counter()
         if future is not None and self.failure is None:
             try:
@@ -272,7 +304,7 @@ class WeightPush:
                 self.failure = exc
         self.times.load_s += time.perf_counter() - started
         if bucket is not None:
-            self._loaded(bucket)
+            self.store.set(self._key(bucket, f"loaded{self.me.index}"), b"1")
 
     def _begin(self) -> None:
         """Open the engine's session without waiting: the buckets' loads queue behind it."""
@@ -289,21 +321,17 @@ class WeightPush:
         self.times.session_s += time.perf_counter() - started
 
 
-def consumers_of(placements, method: str, on_gpu: bool) -> list[Consumer]:
-    """Every engine with its transport: ``group`` for the broadcast sync on GPU and, on CPU, for engines
-    on another node than rank 0; ``shared`` otherwise. The weight group is rank 0 (member 0) and the TP
-    ranks of the ``group`` engines, in engine order."""
-    out, members = [], 1
-    for p in placements:
-        transport = "group" if method == "broadcast" and (on_gpu or p.node != 0) else "shared"
-        out.append(Consumer(p.index, p.host_rank, p.tp, transport, members if transport == "group" else 0))
-        members += p.tp if transport == "group" else 0
-    return out
+def create_weight_group(host: str, port: int, size: int, name: str, backend: str, timeout_s: float):
+    """This rank's side of a weight group, as its member 0 (it hosts the group's store at ``port``);
+    returns once every member joined. A broadcast over it fails after ``timeout_s`` without an answer."""
+    from sglang.srt.utils import init_custom_process_group
+
+    return init_custom_process_group(backend=backend, init_method=f"tcp://{host}:{port}", world_size=size, rank=0,
+                                     group_name=name, timeout=timedelta(seconds=timeout_s))
 
 
-def weight_group_size(consumers: list[Consumer]) -> int:
-    """Members of the weight group (1: no engine receives by broadcast, no group)."""
-    return 1 + sum(c.tp for c in consumers if c.transport == "group")
+def consumers_of(placements) -> list[Consumer]:
+    return [Consumer(p.index, p.host_rank, p.tp, p.node) for p in placements]
 
 
 def push_store():

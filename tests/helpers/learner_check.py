@@ -110,15 +110,15 @@ def _logits_and_entropy(model, batch):
     return results[0]["logits"], results[0]["entropy"]
 
 
-def _pack_every_bucket(modules, model_dir: Path, arch, central: bool) -> tuple[list[str], bool]:
-    """Plan a push in float32 buckets of 64 KiB (several per rank), pack each bucket on its owner, and
-    compare every packed tensor with the HF file's, read on the owner (collective): ``(every name packed,
-    all of them bit for bit)``."""
+def _pack_every_bucket(modules, model_dir: Path, arch) -> tuple[list[str], bool]:
+    """Plan a push in float32 buckets of 64 KiB (several per rank), pack each bucket on its owner (the
+    other TP ranks sending their pieces), and compare every packed tensor with the HF file's, read on
+    the owner (collective): ``(every name packed, all of them bit for bit)``."""
     from sparse_rl_mega.learner.flat_buckets import holds_pieces, pack_bucket, plan_push, send_pieces
     from sparse_rl_mega.learner.weights import _LazyHFCheckpoint, _local_shards
 
     shards = _local_shards(modules, main_replica_only=True)
-    plan = plan_push(shards, arch, torch.float32, 64 * 1024, central)
+    plan = plan_push(shards, arch, torch.float32, 64 * 1024)
     checkpoint = _LazyHFCheckpoint(model_dir)
     exact = True
     for bucket in plan.buckets:
@@ -154,8 +154,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
         source = _stage_copy(model_dir, work / f"rank{dist.get_rank()}" / model_dir.name, arch.tie_word_embeddings)
     load_hf_into_model(learner.modules, source, arch)
     gathered = gather_hf_state_dict(learner.modules, arch)
-    packed = {mode: _pack_every_bucket(learner.modules, model_dir, arch, central=mode == "central")
-              for mode in ("per_owner", "central")}
+    packed_names, packed_exact = _pack_every_bucket(learner.modules, model_dir, arch)
 
     ids = IDS % arch.vocab_size
     batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(2, 9),
@@ -185,8 +184,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
             # float32 weights in a float64 model: gathered back and narrowed, they must be the very same
             "bit_exact": all(torch.equal(gathered[k].to(original[k].dtype), original[k]) for k in original if k in gathered),
             # the weight push's flattened buckets, packed by their owners: every HF tensor once, exactly
-            "packed": {mode: {"names": sorted(names) == sorted(original), "exact": exact}
-                       for mode, (names, exact) in packed.items()},
+            "packed": {"names": sorted(packed_names) == sorted(original), "exact": packed_exact},
             "learner_dtype": str(logp.dtype),
             "depth": forward_depth(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, arch.kv_channels,
                                    ids.shape[1] - 1, arch.vocab_size),

@@ -21,14 +21,18 @@ RUN ?= runs/cpu_smollm2
 env:
 	@bash tools/setup_env.sh $(VENV)
 
+# a demo's run folder holds only that demo: each `make demo` starts it afresh (--overwrite), unless
+# ARGS has --resume
+FRESH = $(if $(findstring --resume,$(ARGS)),,--overwrite)
+
 demo: env
 	$(PY) tools/prepare_model.py --out $(SMOLLM2)
 	$(PY) tools/prepare_data.py --benchmarks sums_train,sums_test --tokenizer $(SMOLLM2) \
 		--instruction 'Put your final answer within \boxed{}.'
-	$(PY) tools/launch.py examples/cpu_smollm2.yaml $(ARGS)
+	$(PY) tools/launch.py examples/cpu_smollm2.yaml $(FRESH) $(ARGS)
 
 demo-tiny: env
-	$(PY) tools/launch.py examples/cpu_tiny.yaml $(ARGS)
+	$(PY) tools/launch.py examples/cpu_tiny.yaml $(FRESH) $(ARGS)
 
 test: env
 	$(PY) -m pytest

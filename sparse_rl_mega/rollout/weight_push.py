@@ -62,9 +62,9 @@ def share_authkey() -> None:
 class PushTimes:
     """Seconds this rank spent on each part of a push (summed over buckets; the parts overlap in time)."""
     pack_s: float = 0.0        # writing its buckets (and receiving the pieces other ranks sent)
-    send_s: float = 0.0        # sending its pieces to owners, broadcasting buckets to the weight group
+    send_s: float = 0.0        # sending its pieces to its stage's owner, broadcasting over its weight group
     wait_s: float = 0.0        # an owner waiting for a buffer to be free, a host for a bucket to be packed
-    load_s: float = 0.0        # a host's engine loading buckets (after the last bucket was handed over)
+    load_s: float = 0.0        # a host waiting for its engine's loads (what packing did not hide)
     session_s: float = 0.0     # a host's begin/end of the engine's weight-update session
 
     def metrics(self) -> dict[str, float]:

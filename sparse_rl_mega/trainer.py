@@ -629,7 +629,7 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # on GPU: NCCL for device tensors, gloo for the CPU tensors of the host-side work (correction,
-    # metrics, the weight pieces streamed to rank 0). A collective waits at most for an engine's restart
+    # metrics). A collective waits at most for an engine's restart
     # (rollout.startup_timeout_s) after a failed call (rollout.engine_timeout_s) and a bit more.
     r = cfg.rollout
     timeout = timedelta(seconds=max(1800.0, r.startup_timeout_s + 2 * r.engine_timeout_s + 300.0))

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.config import ArchConfig
 from sparse_rl_mega.learner.hf_map import Entry, entries, hf_names, split, write_split
-from sparse_rl_mega.learner.weights import _index
+from sparse_rl_mega.learner.weights import piece_table
 
 
 @dataclass(frozen=True)
@@ -94,37 +93,19 @@ class PushPlan:
         return sum(len(b.slots) for b in self.buckets)
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def plan_push(shards: list, arch: ArchConfig, dtype: torch.dtype, bucket_bytes: int) -> PushPlan:
     """The buckets of a push of this model (collective). ``shards``: this rank's
     ``_local_shards(modules, main_replica_only=True)``. A bucket holds whole HF tensors of one owner,
     at most ``bucket_bytes`` of them in ``dtype`` (a larger tensor goes alone)."""
-    mine = []
-    for number, shard in enumerate(shards):
-        index = _index(shard)
-        prepend = shard.prepend_axis_num
-        mine.append((shard.key, index[0] if prepend else -1, tuple(shard.global_shape[prepend:]), index[prepend:],
-                     str(shard.data.dtype).replace("torch.", ""), number))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
     by_key = {entry.mcore: entry for entry in entries(arch)}
     order = {key: i for i, key in enumerate(by_key)}
-    groups: dict[tuple[str, int], Group] = {}
-    for rank, pieces in enumerate(everyone):
-        for key, layer, shape, index, source_dtype, number in pieces:
-            if key not in by_key:
-                raise KeyError(f"no HF name for Megatron tensor {key}")
-            group = groups.setdefault((key, layer), Group(key, layer, by_key[key], shape, _dtype(source_dtype), []))
-            group.pieces.append(Piece(rank, index, number))
+    groups = {(key, layer): Group(key, layer, by_key[key], pieces[0][1], getattr(torch, pieces[0][3]),
+                                  [Piece(rank, index, number) for rank, _, index, _, number in pieces])
+              for (key, layer), pieces in piece_table(shards, arch).items()}
     itemsize = dtype.itemsize
     ordered = []
-    for (key, layer), group in groups.items():
-        group.pieces.sort(key=lambda p: p.rank)
-        owner = group.pieces[0].rank
-        ordered.append((owner, layer, order[key], group))
+    for (key, layer), group in groups.items():  # (pieces in rank order: the first one's rank owns it)
+        ordered.append((group.pieces[0].rank, layer, order[key], group))
     ordered.sort(key=lambda g: g[:3])  # each owner's tensors together, by layer, in HF order
     per_owner: dict[int, list[PlannedBucket]] = {}
     for owner, _, _, group in ordered:
@@ -200,14 +181,13 @@ def pack_bucket(plan: PushPlan, bucket: PlannedBucket, flat: torch.Tensor, shard
 
 
 @torch.no_grad()
-def send_pieces(bucket: PlannedBucket, shards: list, device: Optional[torch.device] = None) -> None:
+def send_pieces(bucket: PlannedBucket, shards: list) -> None:
     """A rank other than the bucket's owner: send the pieces it holds, in the order the owner receives."""
     rank = dist.get_rank()
     for group in bucket.groups:
         for piece in group.pieces:
             if piece.rank == rank:
-                data = shards[piece.number].data.detach()
-                dist.send(data.contiguous() if device is None else data.to(device).contiguous(), dst=bucket.owner)
+                dist.send(shards[piece.number].data.detach().contiguous(), dst=bucket.owner)
 
 
 def holds_pieces(bucket: PlannedBucket, rank: int) -> bool:

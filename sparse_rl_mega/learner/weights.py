@@ -153,9 +153,30 @@ def load_hf_into_learner(learner, hf_dir: str | Path, arch: ArchConfig) -> None:
     learner.optimizer.reload_model_params()
 
 
+def piece_table(shards: list, arch: ArchConfig) -> dict[tuple[str, int], list[tuple]]:
+    """Where every piece of every canonical tensor is (collective: one ``all_gather_object`` of the
+    metadata, no weights): ``{(key, layer): [(rank, full shape, index, dtype name, number), ...]}``, in
+    rank order, from each rank's ``shards`` (``_local_shards(modules, main_replica_only=True)``);
+    ``layer`` is -1 for a tensor that is not per layer, ``number`` the piece's place in its rank's list."""
+    mine = []
+    for number, shard in enumerate(shards):
+        index, prepend = _index(shard), shard.prepend_axis_num
+        mine.append((shard.key, index[0] if prepend else -1, tuple(shard.global_shape[prepend:]), index[prepend:],
+                     str(shard.data.dtype).replace("torch.", ""), number))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    known = {entry.mcore for entry in entries(arch)}
+    table: dict[tuple[str, int], list[tuple]] = {}
+    for rank, pieces in enumerate(everyone):
+        for key, layer, shape, index, dtype, number in pieces:
+            if key not in known:
+                raise KeyError(f"no HF name for Megatron tensor {key}")
+            table.setdefault((key, layer), []).append((rank, shape, index, dtype, number))
+    return table
+
+
 @torch.no_grad()
-def stream_hf_tensors(modules, arch: ArchConfig, dst: int = 0,
-                      specs_elsewhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_hf_tensors(modules, arch: ArchConfig, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors, one layer's piece at a time, on global rank ``dst``.
 
     Every rank must iterate this to the end (elsewhere it yields nothing, but sends its pieces).
@@ -163,28 +184,12 @@ def stream_hf_tensors(modules, arch: ArchConfig, dst: int = 0,
     (in one global order) ``dst`` assembles the full tensor from its own pieces and point-to-point
     receives from the ranks that own the others (the TP ranks of the PP stage holding that layer),
     then yields its HF tensors. Memory on ``dst`` beyond its shards: one layer's largest tensor plus
-    what the consumer keeps (a bucket). ``specs_elsewhere``: the other ranks yield the same names, in
-    the same order, with meta-device tensors of the same shapes and dtypes (an engine host that
-    receives the broadcast plans its buckets exactly as ``dst`` fills them)."""
+    what the consumer keeps."""
     rank = dist.get_rank()
     shards = _local_shards(modules, main_replica_only=True)
-    # metadata only: (group, key, global shape, index, dtype) of every piece, everywhere
-    mine = []
-    for number, shard in enumerate(shards):
-        index = _index(shard)
-        layer = index[0] if shard.prepend_axis_num else -1
-        mine.append(((shard.key, layer), tuple(shard.global_shape[shard.prepend_axis_num:]),
-                     index[shard.prepend_axis_num:], str(shard.data.dtype).replace("torch.", ""), number))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    groups = piece_table(shards, arch)
     by_key = {entry.mcore: entry for entry in entries(arch)}
     order = {key: i for i, key in enumerate(by_key)}
-    groups: dict[tuple, list] = {}
-    for owner, pieces in enumerate(everyone):
-        for group, shape, index, dtype, number in pieces:
-            if group[0] not in by_key:
-                raise KeyError(f"no HF name for Megatron tensor {group[0]}")
-            groups.setdefault(group, []).append((owner, shape, index, dtype, number))
     for (key, layer) in sorted(groups, key=lambda g: (g[1], order[g[0]])):
         pieces = groups[(key, layer)]
         full = None
@@ -203,11 +208,6 @@ def stream_hf_tensors(modules, arch: ArchConfig, dst: int = 0,
             elif rank == owner:
                 dist.send(shards[number].data.detach().to("cpu").contiguous(), dst=dst)
         if rank != dst:
-            if specs_elsewhere:
-                _, shape, _, dtype, _ = pieces[0]
-                entry = by_key[key]
-                names = hf_names(entry, layer if entry.per_layer else None)
-                yield from zip(names, split(entry, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"), arch))
             continue
         if filled != full.numel():
             raise RuntimeError(f"{key} layer {layer}: gathered {filled} of {full.numel()} elements")

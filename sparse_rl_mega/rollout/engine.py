@@ -440,11 +440,6 @@ class RolloutEngine:
         except EngineFailure as failure:
             return failure
 
-    @property
-    def weight_group(self):
-        """The weight group, on its member 0 (:meth:`connect_weight_group`)."""
-        return self._weight_group
-
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: Optional[int] = None) -> int:
         """Load HF-named tensors bucket by bucket from this process's shared memory (each bucket packed
         into one flattened buffer); ``version`` (default: one more than the last) is served after it."""

@@ -75,7 +75,6 @@ class PushTimes:
 class Consumer:
     """An engine a push feeds."""
     index: int
-    host_rank: int
     tp: int
     node: int
 
@@ -131,10 +130,6 @@ class PushBuffers:
                 self.buffers = [b.share_memory_() for b in self.buffers]
         return self.buffers[own % 2]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
-
 
 def serialize_bucket(flat: torch.Tensor, slots: list, nbytes: int, dtype: torch.dtype, copies: int) -> list[bytes]:
     """SGLang's flattened-bucket payload for the tensors ``slots`` (``flat_buckets.Slot``) packed in the
@@ -158,7 +153,7 @@ class WeightPush:
     """One push of ``plan`` (identical on every rank) as weight ``version``. ``engine``: the engine this
     rank hosts, ``my_engine`` its index (None elsewhere; a failed one is skipped); ``consumers``: every
     engine; ``transport_of(consumer, owner)``: :func:`transport` for this run; ``groups``: the weight
-    groups by owner, ``group_handles``: the process group of the one this rank owns; ``store``: this
+    groups by owner, ``group_handle``: the process group of the one this rank owns; ``store``: this
     rank's connection to the job's store (:func:`push_store`), keys under ``push_id``; ``timeout_s``
     bounds every wait for another rank."""
 
@@ -331,7 +326,7 @@ def create_weight_group(host: str, port: int, size: int, name: str, backend: str
 
 
 def consumers_of(placements) -> list[Consumer]:
-    return [Consumer(p.index, p.host_rank, p.tp, p.node) for p in placements]
+    return [Consumer(p.index, p.tp, p.node) for p in placements]
 
 
 def push_store():

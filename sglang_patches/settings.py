@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from sparse_rl_mega.kv.policies import NO_POLICY, EvictionPolicy, policy_class
 
 ENV_VAR = "SPARSE_RL_MEGA_KV"
 # a request may carry its own settings in sampling_params["custom_params"][REQUEST_KEY] (a dict of the
@@ -20,7 +23,7 @@ class EngineKVSettings:
     interval: int = 128
     selection: str = "per_layer"  # per_layer | per_head | shared (sparse_rl_mega.kv.policies)
     shared_scores: str = "first_layer"  # shared selection: first_layer | layer_sum
-    params: dict = field(default_factory=dict)  # policy-specific (kernel, pool, gqa_pool, lam, similarity_threshold)
+    params: dict = field(default_factory=dict)  # the policy's own parameters (its class's fields: kernel, lam, ...)
     # newline trigger: also compress when past the budget and the token about to be decoded is one of these
     newline_token_ids: list = field(default_factory=list)
     # let requests choose their own policy/budget (benchmarks and evaluation compare policies on one
@@ -54,7 +57,12 @@ class EngineKVSettings:
 
     @property
     def enabled(self) -> bool:
-        return self.policy != "none"
+        return self.policy != NO_POLICY
+
+    @property
+    def policy_class(self) -> Optional[type[EvictionPolicy]]:
+        """The engine's own policy (None: dense); requests may choose others when overrides are allowed."""
+        return policy_class(self.policy) if self.enabled else None
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -71,21 +79,35 @@ DEFAULT_RUNNING_REQUESTS = 512  # GPU engines whose policy keeps side buffers, w
 
 
 def records_queries(settings: EngineKVSettings) -> bool:
-    """The engine records decode queries (every policy but streaming scores with them or with H2O's mass)."""
-    return settings.allow_request_override or settings.policy not in ("none", "streaming")
+    """The engine records decode queries: its policy scores with them (or adds up H2O's attention
+    mass from them), or requests may choose any policy."""
+    cls = settings.policy_class
+    return settings.allow_request_override or (cls is not None and cls.records_queries())
 
 
 def keeps_attention_mass(settings: EngineKVSettings) -> bool:
-    return settings.allow_request_override or settings.policy == "h2o"
+    cls = settings.policy_class
+    return settings.allow_request_override or (cls is not None and cls.needs_accumulated)
+
+
+def tp_split_problem(settings: EngineKVSettings, tp_size: int, kv_heads: int) -> Optional[str]:
+    """Why an engine of ``tp_size`` TP ranks cannot run these settings on a model with ``kv_heads`` KV
+    heads (None when it can): above the KV heads SGLang replicates each head and splits its query group
+    over ranks, and a policy that records queries cannot score a head from part of its queries."""
+    if tp_size <= kv_heads or not records_queries(settings):
+        return None
+    what = "per-request KV policies" if settings.allow_request_override else f"the KV policy {settings.policy!r}"
+    return (f"{what} cannot score a KV head whose query heads are split over ranks; use an engine TP <= "
+            f"{kv_heads} or a policy that selects by position (streaming)")
 
 
 def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
     """Whether a GPU engine may capture CUDA graphs with these KV settings, and why not.
 
-    Scoring policies record each decode step's queries (and H2O's attention mass) from a Python hook on
-    ``RadixAttention.forward`` indexed by CPU-side request state: a captured graph would run the hook
-    once at capture with no requests and a replay would record nothing. Such engines run eagerly, as the
-    paper's own code does (``--disable-cuda-graph``). StreamingLLM only compacts rows between steps."""
+    Policies that record queries do it from a Python hook on ``RadixAttention.forward`` indexed by
+    CPU-side request state: a captured graph would run the hook once at capture with no requests and a
+    replay would record nothing. Such engines run eagerly, as the paper's own code does
+    (``--disable-cuda-graph``). Position-only policies (StreamingLLM) only compact rows between steps."""
     if records_queries(kv):
         what = "per-request policies record" if kv.allow_request_override else f"{kv.policy} records"
         return False, f"CUDA graphs off: {what} decode queries in a Python hook"
@@ -102,12 +124,13 @@ def ring_layers(settings: EngineKVSettings, layers: int) -> int:
 
 def scoring_bytes_per_request(settings: EngineKVSettings, *, layers: int, kv_heads: int, head_dim: int,
                               dtype_bytes: int, length: int) -> int:
-    """Transient bytes to compress one request of ``length`` cached tokens (an upper estimate): R-KV's
-    similarities (float32 + two one-byte masks per key pair and head of every scored layer), the
+    """Transient bytes to compress one request of ``length`` cached tokens (an upper estimate): what the
+    policy's own scoring adds (:meth:`EvictionPolicy.scoring_bytes`, e.g. R-KV's similarities), the
     gathered keys with their float32 copies, and for per-layer / per-head sets every layer's gathered and
     kept K and V."""
     scored = 1 if settings.selection == "shared" and settings.shared_scores == "first_layer" else layers
-    similarity = scored * kv_heads * length * length * 6 if settings.policy == "rkv" else 0
+    cls = settings.policy_class
+    similarity = cls.scoring_bytes(scored_layers=scored, kv_heads=kv_heads, length=length) if cls else 0
     keys = scored * kv_heads * length * head_dim * (dtype_bytes + 8)
     copies = 0 if settings.selection == "shared" else 2 * layers * kv_heads * (length + settings.budget) * head_dim * dtype_bytes
     return similarity + keys + copies

@@ -119,10 +119,11 @@ class KVCompressionConfig:
 
     Once a request's KV length reaches ``budget + interval`` it is compressed back to ``budget``
     tokens: ``sink`` first tokens + the policy's choice among the older tokens + the ``window`` most
-    recent. ``snapkv`` and ``rkv`` score as the published code does, with the last ``window`` decode
-    queries (so they first compress after ``window`` decode steps); ``h2o`` with the attention each key
-    received from every decode query. The paper's runs: ``rkv``, ``sink: 0``, ``selection: shared``."""
-    policy: Literal["none", "streaming", "snapkv", "rkv", "h2o"] = "none"
+    recent. ``policy`` names a registered policy (``sparse_rl_mega/kv/policies.py``: ``streaming``,
+    ``snapkv``, ``rkv``, ``h2o``, or a package's through an entry point) and ``params`` its own
+    parameters (e.g. ``rkv``: ``{kernel: 7, lam: 0.1}``; the policy class lists them and checks them).
+    The paper's runs: ``rkv``, ``sink: 0``, ``selection: shared``."""
+    policy: str = "none"          # none: dense decoding
     budget: int = 512
     sink: int = 4                 # first tokens always kept (StreamingLLM's sinks; the published R-KV/SnapKV: 0)
     window: int = 8
@@ -133,18 +134,28 @@ class KVCompressionConfig:
     shared_scores: Literal["first_layer", "layer_sum"] = "first_layer"  # shared: scores of the first layer (release) or all
     # "newline": also compress whenever past the budget and the token about to be decoded ends a line
     trigger: Literal["length", "newline"] = "length"
-    kernel: int = 7               # snapkv / rkv: pooling kernel along the sequence (odd)
-    pool: Literal["max", "avg"] = "max"  # snapkv / rkv: pooling mode (release: max; original SnapKV: avg)
-    gqa_pool: Literal["max", "mean"] = "max"  # snapkv / rkv: over a KV head's query heads, on the logits
-    lam: float = 0.1              # rkv: importance weight (1 - lam weighs redundancy); R-KV's own default 0.07
-    similarity_threshold: float = 0.5  # rkv: cosine similarity above which keys are near-duplicates
+    # the policy's own parameters; a dense run's (or another policy's) evaluation under compression takes
+    # those its policy has
+    params: dict = field(default_factory=dict)
 
-    def policy_params(self) -> dict:
-        """The keyword arguments of this policy's class beyond sink/window/selection."""
-        importance = {"kernel": self.kernel, "pool": self.pool, "gqa_pool": self.gqa_pool}
-        return {"snapkv": importance,
-                "rkv": {**importance, "lam": self.lam, "similarity_threshold": self.similarity_threshold},
-                }.get(self.policy, {})
+    def policy_params(self, policy: Optional[str] = None) -> dict:
+        """Every parameter of ``policy`` (default: this section's): its defaults, overridden by the
+        ``params`` it takes."""
+        from sparse_rl_mega.kv.policies import NO_POLICY, policy_class, resolve_params
+
+        name = policy or self.policy
+        if name == NO_POLICY:
+            return {}
+        taken = policy_class(name).param_names()
+        return resolve_params(name, {key: value for key, value in self.params.items() if key in taken})
+
+    def build_policy(self, policy: Optional[str] = None):
+        """The policy object of ``policy`` (default: this section's) with these settings; a bad setting
+        raises ``PolicyError`` naming its key."""
+        from sparse_rl_mega.kv.policies import build_policy
+
+        return build_policy(policy or self.policy, sink=self.sink, window=self.window, selection=self.selection,
+                            shared_scores=self.shared_scores, **self.policy_params(policy))
 
 
 @dataclass
@@ -506,6 +517,10 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: expected a mapping (section), got {value!r}")
         return _build(tp, value, key + ".", source)
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
+        return dict(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):
@@ -517,11 +532,20 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
 
 
+def _policy_param_names() -> set[str]:
+    from sparse_rl_mega.kv.policies import policy_class, policy_names
+
+    return {name for policy in policy_names() for name in policy_class(policy).param_names()}
+
+
 def _build(cls: type, raw: dict, prefix: str, source: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
+            if cls is KVCompressionConfig and key in _policy_param_names():  # the section's former shape
+                raise ConfigError(f"{source}: {prefix}{key}: a KV policy's own parameters now go under "
+                                  f"{prefix}params: write `params: {{{key}: {raw[key]}}}`")
             raise ConfigError(f"{source}: unknown key {prefix}{key}; expected one of: {', '.join(names)}")
     kwargs = {name: _coerce(hints[name], raw[name], prefix + name, source) for name in names if name in raw}
     if cls is CorrectionConfig:  # the preset fills what the YAML does not say
@@ -539,7 +563,7 @@ def _require(ok: bool, source: str, key: str, message: str) -> None:
 
 def validate(cfg: RunConfig, source: str = "<config>") -> None:
     """Cross-field checks; the first failure raises :class:`ConfigError` naming its key."""
-    a, p, r, kv, t, d = cfg.model.arch, cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.trainer, cfg.data
+    a, p, r, t, d = cfg.model.arch, cfg.parallel, cfg.rollout, cfg.trainer, cfg.data
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     positive = {
         "model.arch.num_layers": a.num_layers, "model.arch.hidden_size": a.hidden_size,
@@ -661,23 +685,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(0.0 < r.mem_fraction_static < 1.0, source, "rollout.mem_fraction_static",
              f"must be in (0, 1), got {r.mem_fraction_static}")
 
-    if kv.policy != "none":
-        _require(kv.sink >= 0 and kv.window > 0, source, "rollout.kv_compression.window",
-                 f"sink must be >= 0 and window > 0, got sink={kv.sink} window={kv.window}")
-        _require(kv.budget > kv.sink + kv.window, source, "rollout.kv_compression.budget",
-                 f"{kv.budget} must exceed sink + window = {kv.sink} + {kv.window} = {kv.sink + kv.window}")
-        _require(kv.interval > 0, source, "rollout.kv_compression.interval", f"must be > 0, got {kv.interval}")
-        _require(kv.kernel >= 1 and kv.kernel % 2 == 1, source, "rollout.kv_compression.kernel",
-                 f"must be odd and >= 1, got {kv.kernel}")
-        _require(0.0 <= kv.lam <= 1.0, source, "rollout.kv_compression.lam", f"must be in [0, 1], got {kv.lam}")
-        _require(kv.policy == "streaming" or r.engine_tensor_parallel_size <= a.num_query_groups, source,
-                 "rollout.engine_tensor_parallel_size",
-                 f"{r.engine_tensor_parallel_size} exceeds model.arch.num_query_groups={a.num_query_groups}: SGLang then "
-                 f"replicates KV heads and splits their query heads over ranks, and {kv.policy} cannot score a KV "
-                 f"head from part of its queries; use an engine TP <= {a.num_query_groups} (or policy streaming)")
-        _require(not (kv.selection == "per_head" and kv.policy == "streaming"), source,
-                 "rollout.kv_compression.selection",
-                 "streaming selects by position, the same tokens for every head and layer (per_head is for scoring policies)")
+    _validate_kv(cfg, source)
 
     rw = cfg.reward
     _require(0.0 < rw.timeout_s <= 600.0, source, "reward.timeout_s",
@@ -768,11 +776,40 @@ def _validate_eval(cfg: RunConfig, source: str) -> None:
         variants = parse_kv_variants(e.kv, cfg.rollout.kv_compression)
     except ValueError as exc:
         raise ConfigError(f"{source}: eval.kv: {exc}") from None
+    from sparse_rl_mega.kv.policies import PolicyError
+
     kv = cfg.rollout.kv_compression
     for label, override in variants:
         if override and override["policy"] != "none":
-            _require(override["budget"] > kv.sink + kv.window, source, "eval.kv",
-                     f"{label}: the budget must exceed rollout.kv_compression sink + window = {kv.sink + kv.window}")
+            try:
+                kv.build_policy(override["policy"]).check_budget(override["budget"])
+            except PolicyError as exc:
+                raise ConfigError(f"{source}: eval.kv: {label}: {exc} (its other settings: rollout.kv_compression)") from None
+
+
+def _validate_kv(cfg: RunConfig, source: str) -> None:
+    """``rollout.kv_compression``: its policy and parameters, checked by the policy class itself."""
+    from sglang_patches.settings import EngineKVSettings, tp_split_problem
+    from sparse_rl_mega.kv.policies import NO_POLICY, PolicyError, resolve_params
+
+    kv, r, a = cfg.rollout.kv_compression, cfg.rollout, cfg.model.arch
+    key = "rollout.kv_compression"
+    try:
+        if kv.policy == NO_POLICY:
+            # parameters for a dense run's evaluation under compression: each must belong to some policy
+            known = _policy_param_names()
+            for name in kv.params:
+                _require(name in known, source, f"{key}.params.{name}",
+                         f"no registered KV policy takes it; parameters: {', '.join(sorted(known))}")
+            return
+        resolve_params(kv.policy, kv.params)  # a parameter the policy does not take is named here
+        kv.build_policy().check_budget(kv.budget)
+    except PolicyError as exc:
+        raise ConfigError(f"{source}: {key}.{exc.key}: {exc}") from None
+    _require(kv.interval > 0, source, f"{key}.interval", f"must be > 0, got {kv.interval}")
+    problem = tp_split_problem(EngineKVSettings.from_config(kv), r.engine_tensor_parallel_size, a.num_query_groups)
+    _require(problem is None, source, "rollout.engine_tensor_parallel_size",
+             f"{r.engine_tensor_parallel_size} exceeds model.arch.num_query_groups={a.num_query_groups}: {problem}")
 
 
 def _has_chat_template(folder: Path) -> bool:

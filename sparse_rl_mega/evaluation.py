@@ -6,7 +6,6 @@ sampling seed, so the settings differ only by the KV cache.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Callable, Optional, Sequence
@@ -24,10 +23,8 @@ def request_kv(kv, policy: str, budget: int) -> dict:
     KVCompressionConfig: sink, window, interval, selection, shared scores and the policy's parameters,
     e.g. R-KV's kernel and lambda), whatever ``kv``'s own policy is (a dense run's section still says
     how its compressed evaluation scores)."""
-    setting = dataclasses.replace(kv, policy=policy, budget=budget)
-    return {"policy": policy, "budget": budget, "sink": setting.sink, "window": setting.window,
-            "interval": setting.interval, "selection": setting.selection, "shared_scores": setting.shared_scores,
-            "params": setting.policy_params()}
+    return {"policy": policy, "budget": budget, "sink": kv.sink, "window": kv.window, "interval": kv.interval,
+            "selection": kv.selection, "shared_scores": kv.shared_scores, "params": kv.policy_params(policy)}
 
 
 def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[dict]]]:
@@ -38,7 +35,7 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
     settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig, names the
     label; the override is None). A setting named twice ('rollout' and the same explicit setting) is
     evaluated once. Raises ValueError naming the bad item."""
-    from sparse_rl_mega.kv.policies import POLICIES
+    from sparse_rl_mega.kv.policies import policy_names
 
     out: list[tuple[str, Optional[dict]]] = []
     items = [s.strip() for s in spec.split(",") if s.strip()]
@@ -54,9 +51,9 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
             out.append((label, None))
         else:
             name, _, budget = item.partition(":")
-            if name not in POLICIES or not budget.isdigit() or int(budget) <= 0:
+            if name not in policy_names() or not budget.isdigit() or int(budget) <= 0:
                 raise ValueError(f"{item!r}: expected dense, rollout or POLICY:BUDGET with POLICY in "
-                                 f"{sorted(POLICIES)} and BUDGET a positive integer")
+                                 f"{sorted(policy_names())} and BUDGET a positive integer")
             out.append((item, {"policy": name, "budget": int(budget)} if rollout_kv is None
                         else request_kv(rollout_kv, name, int(budget))))
     if not out:

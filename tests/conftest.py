@@ -147,7 +147,7 @@ rollout:
   max_new_tokens: 24
   max_total_tokens: 2048
   max_running_requests: 16
-  kv_compression: {{policy: rkv, budget: 12, sink: 2, window: 4, interval: 2, kernel: 3}}
+  kv_compression: {{policy: rkv, budget: 12, sink: 2, window: 4, interval: 2, params: {{kernel: 3}}}}
 data: {{train_path: {TRAIN_DATA}, prompts_per_iteration: 4}}
 trainer: {{iterations: 3, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
 algorithm: {{kl_coef: 0.01, entropy_coef: 0.001, dual_clip: 3.0, correction: {{preset: sparse_rl}}}}

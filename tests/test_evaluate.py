@@ -291,7 +291,7 @@ def test_a_dense_run_evaluates_compression_with_its_own_kv_fields():
     from sparse_rl_mega.evaluation import parse_kv_variants
 
     run_kv = KVCompressionConfig(policy="none", budget=32, sink=0, window=6, interval=4, selection="shared",
-                                 kernel=3, lam=0.3, pool="avg", similarity_threshold=0.7)
+                                 params=dict(kernel=3, lam=0.3, pool="avg", similarity_threshold=0.7))
     (_, override), = parse_kv_variants("rkv:24", run_kv)
     engine = EngineKVSettings.from_config(run_kv, allow_request_override=True)  # the dense run's engine
     served = engine.updated(override)

@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from sparse_rl_mega.kv.policies import policy_class, policy_names  # noqa: E402 (after the path)
+
 DEFAULT_MODEL = ROOT / "runs" / "assets" / "tiny-llama-sums"
-POLICIES = ("streaming", "snapkv", "rkv", "h2o")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=16)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--sink", type=int, default=4)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    policies = ",".join(policy_names())
+    p.add_argument("--policies", default=policies, help=f"comma-separated subset of {policies}")
     p.add_argument("--selections", default="per_layer,shared",
                    help="kept-set selections of the scoring policies (per_layer, per_head, shared); a variant "
                         "is named POLICY (per_layer) or POLICY/SELECTION")
@@ -149,7 +151,8 @@ def main(argv=None) -> int:
     kv = dict(budget=args.budget, sink=args.sink, window=args.window, interval=args.interval)
     variants = [("dense", {"policy": "none"})]
     for policy in (p for p in args.policies.split(",") if p):
-        selections = ["per_layer"] if policy == "streaming" else [s for s in args.selections.split(",") if s]
+        selections = (["per_layer"] if policy_class(policy).position_only
+                      else [s for s in args.selections.split(",") if s])
         for selection in selections:
             name = policy if selection == "per_layer" else f"{policy}/{selection}"
             variants.append((name, {"policy": policy, "selection": selection}))

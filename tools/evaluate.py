@@ -43,8 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-KV_FIELDS = ("interval", "window", "sink", "selection", "shared_scores", "trigger", "kernel", "pool", "gqa_pool", "lam",
-             "similarity_threshold")
+KV_FIELDS = ("interval", "window", "sink", "selection", "shared_scores", "trigger")
 BUDGET_FIELDS = ("sink", "window")  # derived from each setting's budget without --config or their flags
 # SGLang 0.5.23 takes a model's context length from the first of these config.json keys, 2048 without
 # any (srt/utils/hf_transformers/common.py: get_context_length)
@@ -71,6 +70,30 @@ def budget_defaults(budget: int) -> dict:
     min(4, B // 8), so sink + window <= 3B/8 (1 for B < 4)."""
     base = default_kv()
     return {"window": max(1, min(base.window, budget // 4)), "sink": min(base.sink, budget // 8)}
+
+
+def policy_param_flags() -> dict[str, dict]:
+    """argparse keywords of a flag for each parameter of the registered KV policies (their dataclass
+    fields, documented by their ``help`` and ``choices`` metadata), named after the policies that take it."""
+    import dataclasses
+    import typing
+
+    from sparse_rl_mega.kv.policies import policy_class, policy_names
+
+    flags: dict[str, dict] = {}
+    takers: dict[str, list[str]] = {}
+    for name in policy_names():
+        cls = policy_class(name)
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if field.name not in cls.param_names():
+                continue
+            takers.setdefault(field.name, []).append(name)
+            flags.setdefault(field.name, {"type": hints[field.name], "choices": field.metadata.get("choices"),
+                                          "help": field.metadata.get("help", ""), "default_value": field.default})
+    for key, flag in flags.items():
+        flag["help"] = f"{'/'.join(takers[key])}: {flag['help']} (default {flag.pop('default_value')})".replace("%", "%%")
+    return flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,13 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"(default {base.shared_scores})")
     kv.add_argument("--trigger", choices=["length", "newline"],
                     help=f"also compress at line ends (default {base.trigger})")
-    kv.add_argument("--kernel", type=int, help=f"snapkv/rkv pooling kernel (odd; default {base.kernel})")
-    kv.add_argument("--pool", choices=["max", "avg"], help=f"snapkv/rkv pooling (default {base.pool})")
-    kv.add_argument("--gqa-pool", choices=["max", "mean"],
-                    help=f"snapkv/rkv over a KV head's queries (default {base.gqa_pool})")
-    kv.add_argument("--lam", type=float, help=f"rkv importance weight (default {base.lam})")
-    kv.add_argument("--similarity-threshold", type=float,
-                    help=f"rkv near-duplicate threshold (default {base.similarity_threshold})")
+    for name, flag in policy_param_flags().items():  # every registered policy's own parameters
+        kv.add_argument("--" + name.replace("_", "-"), **flag)
     p.add_argument("--samples", type=int, default=1, help="samples per problem (k; default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (then --samples must be 1) (default: %(default)s)")
@@ -153,7 +171,9 @@ def kv_base(args):
     from sparse_rl_mega.config import load_config_or_exit
 
     base = load_config_or_exit(args.config).rollout.kv_compression if args.config else default_kv()
-    return dataclasses.replace(base, **{f: getattr(args, f) for f in KV_FIELDS if getattr(args, f) is not None})
+    params = {f: getattr(args, f) for f in policy_param_flags() if getattr(args, f) is not None}
+    return dataclasses.replace(base, params={**base.params, **params},
+                               **{f: getattr(args, f) for f in KV_FIELDS if getattr(args, f) is not None})
 
 
 def derived_fields(args) -> tuple[str, ...]:

@@ -86,8 +86,10 @@ def describe_layout(cfg: RunConfig) -> str:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     from sparse_rl_mega.planner import engine_settings
     from sglang_patches.settings import cuda_graphs_allowed
+    from sparse_rl_mega.kv.policies import policy_class
 
-    selection = "" if kv.policy in ("none", "streaming") else (
+    position_only = kv.policy == "none" or policy_class(kv.policy).position_only
+    selection = "" if position_only else (
         f", {kv.selection} selection" + (f" ({kv.shared_scores} scores)" if kv.selection == "shared" else ""))
     graphs_on, why = cuda_graphs_allowed(engine_settings(cfg))
     graphs = "" if graphs_on else f"; GPU engines: {why}"

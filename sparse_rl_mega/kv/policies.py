@@ -29,13 +29,22 @@ highest-scoring older tokens + the window, chosen by ``selection``:
 With an engine at TP > 1, each rank scores its own KV heads; ``gather_heads`` collects every head's
 scores before a per-layer or shared choice, so the choice does not depend on the engine's TP.
 
+Adding a policy: a subclass of :class:`EvictionPolicy` whose own dataclass fields are its parameters
+(``kv_compression.params`` in a run config; ``metadata={"help": ...}`` documents them for the CLIs),
+with its capabilities as class attributes (:attr:`~EvictionPolicy.queries_needed`,
+:attr:`~EvictionPolicy.needs_accumulated`, :attr:`~EvictionPolicy.position_only`,
+:meth:`~EvictionPolicy.scoring_bytes`), registered under a name: :data:`POLICIES` for those here, or a
+``sparse_rl_mega.kv_policies`` entry point (``name = package.module:Class``) for a policy in another
+package, which every process (the trainer, tools, SGLang's schedulers) loads on its first lookup.
+
 When to compress (:func:`should_compress`): once the cached length reaches ``budget + interval``, the
 request is compressed back to ``budget`` tokens (the cache swings between B and B + interval); with
 the newline trigger also whenever it is past the budget and the token about to be decoded ends a line.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field, fields
 from typing import Callable, ClassVar, Optional
 
 import torch
@@ -45,6 +54,23 @@ SELECTIONS = ("per_layer", "per_head", "shared")
 SHARED_SCORES = ("first_layer", "layer_sum")
 GQA_POOLS = ("max", "mean")
 POOLS = ("max", "avg")
+ENTRY_POINT_GROUP = "sparse_rl_mega.kv_policies"  # a package's policies: ``name = package.module:Class``
+
+
+class PolicyError(ValueError):
+    """A bad policy setting. ``key`` names it: a field of the policy (``sink``, ``window``, ``selection``,
+    ``shared_scores``, ``budget``) or ``params.NAME`` for one of the policy's own parameters, so that the
+    config can name ``rollout.kv_compression.<key>``."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+    __str__ = Exception.__str__  # (not KeyError's quoting, for UnknownPolicyError)
+
+
+class UnknownPolicyError(PolicyError, KeyError):
+    """A policy name nothing registered (a KeyError too: a lookup that failed)."""
 
 
 def should_compress(cached_len: int, budget: int, interval: int, decode_queries: int = 0,
@@ -117,35 +143,60 @@ def key_redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
 @dataclass
 class EvictionPolicy:
     """Base class: ``sink`` first tokens + the top-scoring older tokens + the ``window`` most recent ones.
-    Subclasses implement :meth:`score`."""
+    Subclasses implement :meth:`score`; their own fields are their parameters (``params``)."""
     sink: int = 4
     window: int = 8
     selection: str = "per_layer"
     shared_scores: str = "first_layer"
+    # capabilities, read by the engine patch, its settings and the planner
     position_only: ClassVar[bool] = False       # the choice depends on positions only (same for all layers)
     queries_needed: ClassVar[bool] = False      # scores with the last ``window`` decode queries
     needs_accumulated: ClassVar[bool] = False   # scores with accumulated decode attention (H2O)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if self.sink < 0 or self.window <= 0:
-            raise ValueError(f"{name}: need sink >= 0 and window > 0, got {self.sink}, {self.window}")
+        if self.sink < 0:
+            raise PolicyError("sink", f"{name}: must be >= 0, got {self.sink}")
+        if self.window <= 0:
+            raise PolicyError("window", f"{name}: must be > 0, got {self.window}")
         if self.selection not in SELECTIONS:
-            raise ValueError(f"{name}: selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+            raise PolicyError("selection", f"{name}: must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if self.position_only and self.selection == "per_head":
+            raise PolicyError("selection", f"{name} selects by position, the same tokens for every head and layer "
+                                           "(per_head is for scoring policies)")
         if self.shared_scores not in SHARED_SCORES:
-            raise ValueError(f"{name}: shared_scores must be one of {', '.join(SHARED_SCORES)}, "
-                             f"got {self.shared_scores!r}")
+            raise PolicyError("shared_scores", f"{name}: must be one of {', '.join(SHARED_SCORES)}, "
+                                               f"got {self.shared_scores!r}")
 
     @classmethod
-    def waits_for_window(cls) -> bool:
-        """Whether a request's first compression waits for ``window`` decode steps: the policy scores
-        with their queries or (H2O) with the attention they paid; without them it would choose on
-        nothing (all-zero scores keep the oldest tokens)."""
+    def param_names(cls) -> tuple[str, ...]:
+        """The policy's own parameters: its dataclass fields beyond the base class's."""
+        base = {f.name for f in fields(EvictionPolicy)}
+        return tuple(f.name for f in fields(cls) if f.name not in base)
+
+    @classmethod
+    def records_queries(cls) -> bool:
+        """Whether the engine records each decode step's queries for this policy (it scores with them,
+        or H2O adds up the attention they paid), and so whether a request's first compression waits for
+        ``window`` decode steps: without them it would choose on nothing (all-zero scores keep the
+        oldest tokens). Such a policy runs a Python hook at every decode step: no CUDA graphs, and an
+        engine TP above the model's KV heads is refused (a KV head's query group would be split)."""
         return cls.queries_needed or cls.needs_accumulated
+
+    @classmethod
+    def scoring_bytes(cls, *, scored_layers: int, kv_heads: int, length: int) -> int:
+        """Transient bytes the policy's own scoring adds for one request of ``length`` cached tokens,
+        beyond the gathered keys (the engine counts those): an upper estimate, for the side buffers."""
+        return 0
+
+    def check_budget(self, budget: int) -> None:
+        """The one rule between the budget and the policy: room for the sink, the window and one more."""
+        if budget <= self.sink + self.window:
+            raise PolicyError("budget", f"budget {budget} must exceed sink + window = {self.sink + self.window}")
 
     @property
     def min_decode_queries(self) -> int:
-        return self.window if self.waits_for_window() else 0
+        return self.window if self.records_queries() else 0
 
     @property
     def shared(self) -> bool:
@@ -155,10 +206,6 @@ class EvictionPolicy:
     def scored_layers(self, layers: int) -> int:
         """How many layers (the first ones) the choice reads: 1 for ``shared`` from the first layer."""
         return 1 if self.selection == "shared" and self.shared_scores == "first_layer" else layers
-
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.sink + self.window:
-            raise ValueError(f"budget {budget} must exceed sink + window = {self.sink + self.window}")
 
     def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
               accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -236,16 +283,22 @@ class SnapKVPolicy(EvictionPolicy):
     """SnapKV as the paper's release and R-KV's repository compute it: :func:`window_importance` (logits
     pooled over the GQA group with ``gqa_pool``, softmax over the keys before the window, mean over the
     window's queries, ``pool`` over ``kernel`` neighbours). Original SnapKV pools with ``avg``."""
-    kernel: int = 7
-    pool: str = "max"
-    gqa_pool: str = "max"
+    kernel: int = field(default=7, metadata={"help": "pooling kernel along the sequence (odd)"})
+    pool: str = field(default="max", metadata={"help": "pooling mode (release: max; original SnapKV: avg)",
+                                               "choices": POOLS})
+    gqa_pool: str = field(default="max", metadata={"help": "over a KV head's query heads, on the logits",
+                                                   "choices": GQA_POOLS})
     queries_needed: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kernel < 1 or self.kernel % 2 == 0 or self.pool not in POOLS or self.gqa_pool not in GQA_POOLS:
-            raise ValueError(f"{type(self).__name__}: kernel must be odd and >= 1, pool max|avg, gqa_pool max|mean; "
-                             f"got {self.kernel}, {self.pool}, {self.gqa_pool}")
+        name = type(self).__name__
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise PolicyError("params.kernel", f"{name}: kernel must be odd and >= 1, got {self.kernel}")
+        for key, allowed in (("pool", POOLS), ("gqa_pool", GQA_POOLS)):
+            if getattr(self, key) not in allowed:
+                raise PolicyError(f"params.{key}", f"{name}: {key} must be one of {', '.join(allowed)}, "
+                                                   f"got {getattr(self, key)!r}")
 
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
         return window_importance(keys, window_queries, self.gqa_pool, self.kernel, self.pool)
@@ -257,13 +310,20 @@ class RKVPolicy(SnapKVPolicy):
     :class:`SnapKVPolicy` (max-pooled), redundancy :func:`key_redundancy` of all keys (the window's
     included), sliced to the keys before the window. ``lam`` 0.1 as in the paper's runs (R-KV's own
     default is 0.07)."""
-    lam: float = 0.1
-    similarity_threshold: float = 0.5
+    lam: float = field(default=0.1, metadata={"help": "importance weight (1 - lam weighs redundancy; R-KV's own "
+                                                      "default 0.07)"})
+    similarity_threshold: float = field(default=0.5, metadata={"help": "cosine similarity above which keys are "
+                                                                       "near-duplicates"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"R-KV: need 0 <= lam <= 1, got {self.lam}")
+            raise PolicyError("params.lam", f"R-KV: need 0 <= lam <= 1, got {self.lam}")
+
+    @classmethod
+    def scoring_bytes(cls, *, scored_layers: int, kv_heads: int, length: int) -> int:
+        # the key similarities: float32 and two one-byte masks per key pair and head of every scored layer
+        return scored_layers * kv_heads * length * length * 6
 
     def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
         older = keys.shape[1] - window_queries.shape[1]
@@ -290,20 +350,81 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "snapkv": SnapKVPolicy,
     "rkv": RKVPolicy,
     "h2o": H2OPolicy,
-}
+}  # the registry: these, then what register_policy and the entry points add
+NO_POLICY = "none"  # a config's policy for dense decoding
+_entry_points_loaded = False
 
 
 def register_policy(name: str, cls: type[EvictionPolicy]) -> None:
-    """Make a plugin's policy available to configs and the engine patch under ``name``."""
-    if not issubclass(cls, EvictionPolicy):
-        raise TypeError(f"{cls} is not an EvictionPolicy")
+    """Make ``cls`` available to configs, tools and the engine patch under ``name`` (in this process; a
+    ``sparse_rl_mega.kv_policies`` entry point registers it in every process)."""
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise TypeError(f"KV policy {name!r}: {cls!r} is not a subclass of EvictionPolicy")
+    if not name.isidentifier() or name == NO_POLICY:
+        raise ValueError(f"KV policy name {name!r}: expected an identifier other than {NO_POLICY!r} "
+                         "(it is written POLICY:BUDGET in eval.kv)")
+    if POLICIES.get(name, cls) is not cls:
+        raise ValueError(f"KV policy {name!r} is already registered as {POLICIES[name].__qualname__}")
     POLICIES[name] = cls
 
 
-def build_policy(name: str, sink: int, window: int, **params) -> EvictionPolicy:
+def load_entry_points() -> None:
+    """Register the policies of installed packages (entry point group ``sparse_rl_mega.kv_policies``),
+    once per process; the lookups below call it, so every process sees the same policies."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            register_policy(point.name, point.load())
+        except Exception as exc:  # one line naming the entry point, whatever the plugin raised
+            raise RuntimeError(f"KV policy entry point {point.name} = {point.value} ({ENTRY_POINT_GROUP}): "
+                               f"{type(exc).__name__}: {exc}") from None
+
+
+def policy_names() -> list[str]:
+    """Every registered policy, those of this module first."""
+    load_entry_points()
+    return list(POLICIES)
+
+
+def policy_class(name: str) -> type[EvictionPolicy]:
+    load_entry_points()
     if name not in POLICIES:
-        raise KeyError(f"unknown KV eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return POLICIES[name](sink=sink, window=window, **params)
+        raise UnknownPolicyError("policy", f"unknown KV eviction policy {name!r}; expected one of "
+                                    f"{', '.join([NO_POLICY, *POLICIES])}")
+    return POLICIES[name]
+
+
+def resolve_params(name: str, params: dict) -> dict:
+    """Every parameter of policy ``name``: its defaults, overridden by those ``params`` names (checked:
+    a parameter it does not take, or a value of the wrong type, raises PolicyError naming it)."""
+    cls = policy_class(name)
+    hints = typing.get_type_hints(cls)
+    own = {f.name: f.default for f in fields(cls) if f.name in cls.param_names()}
+    for key, value in params.items():
+        if key not in own:
+            taken = ", ".join(own) or "none"
+            raise PolicyError(f"params.{key}", f"{cls.__name__} ({name}) takes no parameter {key!r}; its "
+                                               f"parameters: {taken}")
+        expected = hints[key]
+        ok = (isinstance(value, expected) and not isinstance(value, bool)) or \
+            (expected is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise PolicyError(f"params.{key}", f"{cls.__name__} ({name}): {key} = {value!r}: expected "
+                                               f"{expected.__name__}, got {type(value).__name__}")
+        own[key] = float(value) if expected is float else value
+    return own
+
+
+def build_policy(name: str, sink: int, window: int, **settings) -> EvictionPolicy:
+    """Policy ``name`` with the base fields (``selection``, ``shared_scores``) and its own parameters
+    in ``settings``; a bad one raises PolicyError naming it."""
+    base = {key: settings.pop(key) for key in ("selection", "shared_scores") if key in settings}
+    return policy_class(name)(sink=sink, window=window, **base, **resolve_params(name, settings))
 
 
 def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: float,

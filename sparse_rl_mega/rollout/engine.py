@@ -22,7 +22,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
-                                     cuda_graphs_allowed, records_queries, side_buffer_bytes)
+                                     cuda_graphs_allowed, records_queries, side_buffer_bytes,
+                                     tp_split_problem)
 from sparse_rl_mega import watchdog
 from sparse_rl_mega.kv.policies import build_policy
 from sparse_rl_mega.rollout import forkserver
@@ -205,13 +206,12 @@ def _hf_shape(model_path: str) -> dict:
 
 
 def check_engine_tp(model_path: str, kv: EngineKVSettings, tp_size: int) -> None:
-    """Scoring policies need each TP rank to hold whole KV heads with all their query heads: when TP
-    exceeds the KV heads SGLang replicates each head and splits its query group over ranks."""
+    """Refuse an engine TP that splits the query heads of a KV head the policy scores
+    (:func:`~sglang_patches.settings.tp_split_problem`)."""
     kv_heads = _hf_shape(model_path)["kv_heads"]
-    if records_queries(kv) and tp_size > kv_heads:
-        raise ValueError(f"engine TP {tp_size} exceeds the {kv_heads} KV heads of {model_path}: the KV policy "
-                         f"{kv.policy!r} (or per-request policies) cannot score a KV head whose query heads are split "
-                         f"over ranks; use an engine TP <= {kv_heads} or policy 'streaming'")
+    problem = tp_split_problem(kv, tp_size, kv_heads)
+    if problem:
+        raise ValueError(f"engine TP {tp_size} exceeds the {kv_heads} KV heads of {model_path}: {problem}")
 
 
 def engine_side_buffers(model_path: str, kv: EngineKVSettings, *, tp_size: int, dtype: str,

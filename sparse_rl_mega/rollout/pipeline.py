@@ -267,12 +267,12 @@ class RolloutPipeline:
 
     def _per_sample_compression(self, engine: RolloutEngine, samples) -> list[tuple[int, int]]:
         """``(compressions, evicted tokens)`` of each sample, replayed from its lengths."""
-        from sparse_rl_mega.kv.policies import POLICIES, compression_schedule
+        from sparse_rl_mega.kv.policies import compression_schedule, policy_class
 
         kv = self.cfg.rollout.kv_compression
         if kv.policy == "none":
             return [(0, 0)] * len(samples)
-        needed = kv.window if POLICIES[kv.policy].waits_for_window() else 0
+        needed = kv.window if policy_class(kv.policy).records_queries() else 0
         newlines = set(engine.kv.newline_token_ids)
         return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
                                      [t in newlines for t in s.response_ids]) for s in samples]

@@ -3,6 +3,7 @@
 * ``tiny_model_dir``: a tiny Llama folder built locally (tokenizer + warm-started weights);
 * ``evicting_engine``: one real SGLang engine with StreamingLLM eviction and SGLang's strict idle
   memory-leak check switched on; shut down when its test module ends;
+* ``tests/plugins``: a KV policy of another package (``keynorm``, registered by its entry point);
 * ``e2e_run``: one ``torchrun --nproc-per-node 2`` launch of the training loop (PP=2) whose MLflow
   store the end-to-end tests read.
 """
@@ -17,6 +18,11 @@ from typing import Optional
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# a KV policy installed as a user's package would be (tests/plugins: its module and entry point), seen by
+# every process of the session: this one, torchrun's ranks, SGLang's schedulers
+PLUGINS = ROOT / "tests" / "plugins"
+os.environ["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), *filter(None, [os.environ.get("PYTHONPATH")])])
+sys.path.insert(0, str(PLUGINS))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -128,6 +128,26 @@ def test_dry_run_prints_layout(name):
     assert "config OK" in proc.stdout
 
 
+def test_a_policy_of_another_package_is_configured_planned_and_checked(tmp_path):
+    """``keynorm`` (tests/plugins: a few lines and an entry point, nothing in sparse_rl_mega) is read from
+    YAML with its own parameter, shown by --plan (--dry-run's layout + memory), where its capabilities
+    come from its class: it records no decode queries, so no side buffers and CUDA graphs stay on. Its
+    own check of its parameter names the config key."""
+    from sparse_rl_mega.kv.policies import policy_class
+
+    assert policy_class("keynorm").__module__ == "keynorm_policy"  # the entry point, not a register call
+    kv = {"policy": "keynorm", "budget": 12, "sink": 2, "window": 4, "interval": 2, "params": {"power": 1}}
+    good = _write_variant(tmp_path, lambda r: r["rollout"].update(kv_compression=kv))
+    proc = _launch(good, "--plan")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "keynorm: budget 12 tokens (sink 2, recent window 4, per_layer selection)" in proc.stdout
+    assert "CUDA graphs off" not in proc.stdout and "query ring" not in proc.stdout, proc.stdout
+    assert load_config(good).rollout.kv_compression.build_policy().power == 1
+    bad = _write_variant(tmp_path, lambda r: r["rollout"].update(kv_compression={**kv, "params": {"power": 0}}))
+    with pytest.raises(ConfigError, match=r"rollout\.kv_compression\.params\.power: keynorm: power must be >= 1"):
+        load_config(bad)
+
+
 def test_dry_run_of_70b_shows_its_scale():
     out = _launch("examples/70b_math.yaml", "--dry-run").stdout
     assert "world 32 = 8 node(s) x 4; TP 4 x PP 8 (5 virtual stages each) x DP 1" in out

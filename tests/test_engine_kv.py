@@ -40,6 +40,8 @@ POLICY_CASES = {
     "h2o-shared": {"policy": "h2o", "selection": "shared"},
     # interval > window: the engine adds H2O's attention mass when its query ring fills, between compressions
     "h2o-interval-7": {"policy": "h2o", "interval": 7},
+    # a policy of another package (tests/plugins), registered by its entry point in the scheduler too
+    "keynorm": {"policy": "keynorm", "params": {"power": 1}},
 }
 
 

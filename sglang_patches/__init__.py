@@ -1,10 +1,12 @@
 """SGLang plugin of sparse-rl-mega, loaded in every SGLang process through the ``sglang.srt.plugins``
-entry point (see setup.py). Settings arrive in the ``SPARSE_RL_MEGA_KV`` environment variable; without
-it (or with ``policy: none``) the engine decodes exactly as stock SGLang and only reports pool usage.
-On CPU, weight pushes keep their shared buffers mapped and cache flushes skip a full garbage
-collection (``weight_push``).
-With the ``pytorch`` sampling backend, a request's ``sampling_seed`` always decides its tokens
-(``seeded_sampling``). Weight-loading bars are drawn only over several shard files (``loading_bar``)."""
+entry point (see setup.py). It refuses any SGLang but the one it was written for
+(``sglang_internals.check_version``), then installs its hooks, all through ``sglang_internals``, the one
+module that touches SGLang's internals. Settings arrive in the ``SPARSE_RL_MEGA_KV`` environment
+variable; without it (or with ``policy: none``) the engine decodes exactly as stock SGLang and only
+reports pool usage (``kv_eviction``). On CPU, weight pushes keep their shared buffers mapped and cache
+flushes skip a full garbage collection (``weight_push``). With the ``pytorch`` sampling backend, a
+request's ``sampling_seed`` always decides its tokens (``sglang_internals.hook_sampling_seeds``).
+Weight-loading bars are drawn only over several shard files (``loading_bar``)."""
 import os
 
 _installed = False
@@ -14,12 +16,13 @@ def register() -> None:
     global _installed
     if _installed or os.environ.get("SPARSE_RL_MEGA_PLUGIN_OFF") == "1":
         return
-    from sglang_patches import loading_bar, seeded_sampling, weight_push
+    from sglang_patches import loading_bar, sglang_internals, weight_push
     from sglang_patches.kv_eviction import install
     from sglang_patches.settings import EngineKVSettings
 
+    sglang_internals.check_version()
     install(EngineKVSettings.from_env())
-    seeded_sampling.install()
+    sglang_internals.hook_sampling_seeds()
     loading_bar.install()
     weight_push.install()
     _installed = True

@@ -17,8 +17,9 @@ pool retracts as stock SGLang does (a retracted request restarts dense, see ``kv
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable
+from typing import Callable
 
+from sglang_patches import sglang_internals as sglang
 from sglang_patches.settings import EngineKVSettings
 
 
@@ -27,45 +28,30 @@ def compressed_bound(settings: EngineKVSettings) -> int:
 
 
 @contextmanager
-def effective_max_new_tokens(reqs: Iterable[Any], settings_for: Callable[[Any], EngineKVSettings]):
+def effective_max_new_tokens(requests: list[sglang.Request], settings_for: Callable[[sglang.Request], EngineKVSettings]):
     saved = []
     try:
-        for req in reqs:
-            settings = settings_for(req)
+        for request in requests:
+            settings = settings_for(request)
             if not settings.enabled:
                 continue
-            original = req.sampling_params.max_new_tokens
+            original = request.max_new_tokens
             if original is None:
                 continue
-            running = req.kv.req_pool_idx is not None and req.kv.kv_allocated_len > 0
+            running = request.row is not None and request.allocated > 0
             if running:  # what it may still add on top of the slots it owns (the tree holds the rest)
-                owned = req.kv.kv_allocated_len - req.kv.cache_protected_len
-                bound = len(req.output_ids) + max(0, compressed_bound(settings) - owned)
+                owned = request.allocated - request.protected
+                bound = request.output_len + max(0, compressed_bound(settings) - owned)
             else:
                 bound = compressed_bound(settings)
             if bound < original:
-                saved.append((req, original))
-                req.sampling_params.max_new_tokens = bound
+                saved.append((request, original))
+                request.max_new_tokens = bound
         yield
     finally:
-        for req, original in saved:
-            req.sampling_params.max_new_tokens = original
+        for request, original in saved:
+            request.max_new_tokens = original
 
 
-def install(settings_for: Callable[[Any], EngineKVSettings]) -> None:
-    from sglang.srt.managers.schedule_policy import PrefillAdder
-
-    def running(adder) -> list:
-        batch = getattr(adder, "running_batch", None)
-        return list(batch.reqs) if batch is not None and batch.reqs else []
-
-    # the two admission paths also account the running requests; the offset is per running request
-    for name, with_running in (("add_one_req", True), ("add_one_req_ignore_eos", True),
-                               ("_get_running_request_total_token_offset", False)):
-        original = getattr(PrefillAdder, name)
-
-        def patched(self, req, *args, _original=original, _with_running=with_running, **kwargs):
-            with effective_max_new_tokens([req] + (running(self) if _with_running else []), settings_for):
-                return _original(self, req, *args, **kwargs)
-
-        setattr(PrefillAdder, name, patched)
+def install(settings_for: Callable[[sglang.Request], EngineKVSettings]) -> None:
+    sglang.hook_admission(lambda requests: effective_max_new_tokens(requests, settings_for))

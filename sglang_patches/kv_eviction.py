@@ -30,26 +30,25 @@ restarts dense. The hook runs Python on CPU-side state, so a GPU engine with a s
 without CUDA graphs (``sglang_patches.settings.cuda_graphs_allowed``).
 
 Needs ``page_size=1``, the non-overlap scheduler and no speculative decoding (the engine factory in
-``sparse_rl_mega.rollout.engine`` sets these).
+``sparse_rl_mega.rollout.engine`` sets these). Everything of SGLang is reached through
+``sglang_patches.sglang_internals`` (requests, the batch, the pool, the hooks).
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
+from sglang_patches import sglang_internals as sglang
 from sglang_patches.settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
                                      ring_layers, scoring_bytes_per_request, scoring_chunk)
+from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
-
-OFFSET_ATTR = "_sparse_rl_evicted_positions"
-PLAN_ATTR = "_sparse_rl_kv_plan"
-RETRACTIONS_ATTR = "_sparse_rl_retractions"
 
 
 class EngineKVStats:
@@ -79,10 +78,9 @@ class EngineKVStats:
         self.h2o_mass_bytes = sum(t.numel() * t.element_size() for t in buffers)
         self.h2o_mass_peak_bytes = max(self.h2o_mass_peak_bytes, self.h2o_mass_bytes)
 
-    def observe_pool(self, allocator: Any) -> None:
-        self.pool_size = int(allocator.size)
-        in_use = self.pool_size - int(allocator.available_size())
-        self.peak_slots_in_use = max(self.peak_slots_in_use, in_use)
+    def observe_pool(self, pool: sglang.KVPool) -> None:
+        self.pool_size = pool.size
+        self.peak_slots_in_use = max(self.peak_slots_in_use, self.pool_size - pool.available())
 
     def read_and_reset_peak(self) -> dict:
         out = dict(vars(self))
@@ -115,8 +113,8 @@ class RowState:
         self.queries: Optional[torch.Tensor] = None  # [rows, ring layers, window, q_heads, d]
         self.mass: dict[int, torch.Tensor] = {}      # row -> [ring layers, kv_heads, capacity] float32
 
-    def claim(self, row: int, req: Any) -> None:
-        key = (req.rid, getattr(req, RETRACTIONS_ATTR, 0))  # rid: unique, unlike id() of a freed object
+    def claim(self, row: int, request: sglang.Request) -> None:
+        key = request.identity
         if self.owner.get(row) != key:
             self.owner[row] = key
             self.steps[row] = 0
@@ -170,25 +168,24 @@ class RowState:
         return ring.transpose(2, 3)
 
 
-def tp_head_gather() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """With engine TP > 1: a function that all-gathers per-head scores ``[..., local_heads, M]`` (head
-    axis 2) over SGLang's TP group into every head in model order (rank r holds heads
-    ``r * local .. (r + 1) * local - 1``), so a per-layer or shared choice is the same on every rank and
-    at every TP degree. ``None`` at TP 1. Engines whose TP exceeds the KV heads are refused before they
-    start (``sparse_rl_mega.rollout.engine``): a replicated head's query group is split over ranks."""
-    import torch.distributed as dist
-    from sglang.srt.distributed import get_tp_group
+@dataclass
+class Due:
+    """A request to compress at this decode step."""
+    index: int                  # in the batch
+    request: sglang.Request
+    row: int                    # of req_to_token
+    settings: EngineKVSettings
+    policy: EvictionPolicy
 
-    group = get_tp_group()
-    if group.world_size == 1:
-        return None
 
-    def gather(scores: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(scores) for _ in range(group.world_size)]
-        dist.all_gather(parts, scores.contiguous(), group=group.device_group if scores.is_cuda else group.cpu_group)
-        return torch.cat(parts, dim=2)
-
-    return gather
+@dataclass
+class Rewrite:
+    """A request whose kept K/V (a set per layer or head) are copied into ``destination`` slots."""
+    due: Due
+    slots: torch.Tensor         # [cached] its row's slots
+    owned: torch.Tensor         # the slots it owns (past the tree's protected prefix)
+    destination: torch.Tensor   # [budget] where the kept K/V go
+    borrowed: bool              # destination holds fresh slots (a long shared prompt left too few owned)
 
 
 class Compressor:
@@ -203,11 +200,11 @@ class Compressor:
         self.rows = RowState(settings.window, keep_queries=records_queries(settings),
                              first_layer_only=ring_layers(settings, 2) == 1)
         self.scaling: Optional[float] = None  # attention scaling, seen by the hook
-        self._gather_heads: Any = False  # resolved at the first compression (the TP group exists then)
+        self._gather_heads: object = False  # resolved at the first compression (the TP group exists then)
         # the scheduler and the model runner share one process (non-overlap, TP per process):
-        # the attention hooks reach the pools through these references, set at each decode step
+        # the attention hooks reach the pool through these references, set at each decode step
         self.req_to_token: Optional[torch.Tensor] = None
-        self.kv_pool: Any = None
+        self.pool: Optional[sglang.KVPool] = None
         self.step_slots: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(0, dtype=torch.int64),) * 2
 
     def policy_for(self, settings: EngineKVSettings) -> EvictionPolicy:
@@ -220,46 +217,41 @@ class Compressor:
             self._policies[key] = policy
         return self._policies[key]
 
-    def plan_for(self, req: Any) -> tuple[EngineKVSettings, Optional[EvictionPolicy]]:
+    def plan_for(self, request: sglang.Request) -> tuple[EngineKVSettings, Optional[EvictionPolicy]]:
         """The request's settings (the engine's, updated by its ``custom_params["sparse_rl_kv"]`` if
         allowed) and policy (None when off). Resolved once per request: they never change, and the
         scheduler asks for them every decode step and every admission decision."""
-        plan = getattr(req, PLAN_ATTR, None)
+        plan = request.plan
         if plan is None:
-            custom = getattr(req.sampling_params, "custom_params", None) or {}
-            override = custom.get(REQUEST_KEY) if self.settings.allow_request_override else None
+            override = request.custom_params.get(REQUEST_KEY) if self.settings.allow_request_override else None
             settings = self.settings.updated(override) if override else self.settings
-            plan = (settings, self.policy_for(settings) if settings.enabled else None)
-            setattr(req, PLAN_ATTR, plan)
+            plan = request.plan = (settings, self.policy_for(settings) if settings.enabled else None)
         return plan
 
-    def settings_for(self, req: Any) -> EngineKVSettings:
-        return self.plan_for(req)[0]
+    def settings_for(self, request: sglang.Request) -> EngineKVSettings:
+        return self.plan_for(request)[0]
 
-    def __call__(self, batch: Any) -> None:
-        if not batch.reqs:
+    def __call__(self, batch: sglang.DecodeBatch) -> None:
+        if not batch.requests:
             return
-        req_to_token = batch.req_to_token_pool.req_to_token
-        allocator = batch.tree_cache.token_to_kv_pool_allocator
-        self.req_to_token, self.kv_pool = req_to_token, allocator.get_kvcache()
+        self.req_to_token, self.pool = batch.req_to_token, batch.pool
         if self._gather_heads is False:
-            self._gather_heads = tp_head_gather()
-        self.rows.drop_mass_except({req.kv.req_pool_idx for req in batch.reqs})  # finished requests' mass
-        seq_lens = batch.seq_lens_cpu.clone()
+            self._gather_heads = sglang.tp_head_gather()
+        self.rows.drop_mass_except({request.row for request in batch.requests})  # finished requests' mass
+        seq_lens = batch.seq_lens().clone()
         lengths = seq_lens.tolist()
         freed: list[torch.Tensor] = []
-        scoring: dict[tuple, list] = {}  # (policy, cached length) -> requests to compress together
+        scoring: dict[tuple, list[Due]] = {}  # (policy, cached length) -> requests to compress together
         mass_rows: list[int] = []  # H2O rows: their next query goes into the mass
         add_mass: list[tuple[int, int]] = []  # (row, cached length): add the ring's pending queries now
-        for i, req in enumerate(batch.reqs):
-            row = req.kv.req_pool_idx
-            self.rows.claim(row, req)
-            settings, policy = self.plan_for(req)
+        for i, request in enumerate(batch.requests):
+            row = request.row
+            self.rows.claim(row, request)
+            settings, policy = self.plan_for(request)
             cached = lengths[i]
             if policy is None:
                 continue
-            at_newline = bool(settings.newline_token_ids) and bool(req.output_ids) and \
-                req.output_ids[-1] in settings.newline_token_ids
+            at_newline = bool(settings.newline_token_ids) and request.last_output_token in settings.newline_token_ids
             due = should_compress(cached, settings.budget, settings.interval, self.rows.steps[row],
                                   policy.min_decode_queries, at_newline)
             if policy.needs_accumulated:
@@ -271,29 +263,29 @@ class Compressor:
                 continue
             if policy.position_only:
                 kept = policy.select(None, None, settings.budget, length=cached)
-                seq_lens[i] = self._compact(req, row, cached, kept, req_to_token, freed)
+                seq_lens[i] = self._compact(request, cached, kept, freed)
             else:
-                scoring.setdefault((id(policy), cached), []).append((i, req, row, policy, settings))
+                scoring.setdefault((id(policy), cached), []).append(Due(i, request, row, settings, policy))
         if add_mass:
             self._add_pending_mass(add_mass)
+        pool = self.pool
         for (_, cached), group in scoring.items():
             # all samples of a GRPO group reach the trigger at the same step: score them in chunks within
             # the settings' scoring_workspace_bytes (the same chunks on every TP rank)
-            key_buffer, settings = self.kv_pool.get_key_buffer(self.kv_pool.start_layer), group[0][4]
+            key_buffer, settings = pool.keys(0), group[0].settings
             chunk = scoring_chunk(settings, scoring_bytes_per_request(
-                settings, layers=self.kv_pool.layer_num, kv_heads=key_buffer.shape[1], head_dim=key_buffer.shape[2],
+                settings, layers=pool.layers, kv_heads=key_buffer.shape[1], head_dim=key_buffer.shape[2],
                 dtype_bytes=key_buffer.element_size(), length=cached))
             for part in (group[k:k + chunk] for k in range(0, len(group), chunk)):
-                if part[0][3].shared:
-                    for (i, req, row, _, _), kept in zip(part, self._choose(part, cached)):
-                        seq_lens[i] = self._compact(req, row, cached, kept, req_to_token, freed)
-                        if row in self.rows.mass:
-                            self.rows.keep_mass_at(row, kept[None, None])
+                if part[0].policy.shared:
+                    for due, kept in zip(part, self._choose(part, cached)):
+                        seq_lens[due.index] = self._compact(due.request, cached, kept, freed)
+                        if due.row in self.rows.mass:
+                            self.rows.keep_mass_at(due.row, kept[None, None])
                 else:
-                    for i, kept_len in self._rewrite(part, cached, req_to_token, allocator, freed,
-                                                     decode_slots=len(batch.reqs), tree_cache=batch.tree_cache):
+                    for i, kept_len in self._rewrite(part, cached, freed, decode_slots=len(batch.requests)):
                         seq_lens[i] = kept_len
-        rows = [req.kv.req_pool_idx for req in batch.reqs]
+        rows = [request.row for request in batch.requests]
         for row in rows:
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
         for row in mass_rows:
@@ -302,38 +294,34 @@ class Compressor:
         self.step_slots = (torch.tensor(rows, dtype=torch.int64),
                            torch.tensor([(self.rows.steps[r] - 1) % self.rows.window for r in rows]))
         if freed:
-            allocator.free(torch.cat(freed).to(torch.int64))
-        if not torch.equal(seq_lens, batch.seq_lens_cpu):
-            batch.seq_lens_cpu = seq_lens.to(batch.seq_lens_cpu.dtype)
-            batch.seq_lens = seq_lens.to(device=batch.seq_lens.device, dtype=batch.seq_lens.dtype)
-            batch.seq_lens_sum = None
+            pool.free(torch.cat(freed).to(torch.int64))
+        batch.set_seq_lens(seq_lens)
 
-    def _finish(self, req: Any, cached: int, kept_len: int, protected_after: int, owned_freed: int,
+    @staticmethod
+    def _finish(request: sglang.Request, cached: int, kept_len: int, protected_after: int, owned_freed: int,
                 shared_dropped: int) -> None:
-        req.kv.cache_protected_len = protected_after
-        req.kv.kv_allocated_len = kept_len
-        req.kv.kv_committed_len = kept_len
-        req.skip_radix_cache_insert = True
-        setattr(req, OFFSET_ATTR, getattr(req, OFFSET_ATTR, 0) + (cached - kept_len))
+        request.set_compressed(kept_len, protected_after)
+        request.evicted_positions += cached - kept_len
         STATS.evicted_tokens += cached - kept_len
         STATS.freed_slots += owned_freed
         STATS.dropped_shared_slots += shared_dropped
         STATS.compactions += 1
 
-    def _compact(self, req, row: int, cached: int, kept: torch.Tensor, req_to_token, freed: list) -> int:
+    def _compact(self, request: sglang.Request, cached: int, kept: torch.Tensor, freed: list) -> int:
         """One kept set for every layer (streaming, ``selection: shared``): the row keeps the chosen slots,
         in order; nothing is copied."""
         kept = kept.cpu()
+        row, req_to_token = request.row, self.req_to_token
         slots = req_to_token[row, :cached].clone()
         evicted = torch.ones(cached, dtype=torch.bool)
         evicted[kept] = False
         positions = evicted.nonzero().flatten()
-        protected = req.kv.cache_protected_len
+        protected = request.protected
         owned = positions[positions >= protected]
         freed.append(slots[owned.to(slots.device)])
         req_to_token[row, :kept.numel()] = slots[kept.to(slots.device)]
         # kept is ascending, so kept tree-owned positions remain a prefix of the row
-        self._finish(req, cached, kept.numel(), int((kept < protected).sum()), owned.numel(),
+        self._finish(request, cached, kept.numel(), int((kept < protected).sum()), owned.numel(),
                      positions.numel() - owned.numel())
         return kept.numel()
 
@@ -341,13 +329,12 @@ class Compressor:
                 layers: int) -> tuple:
         """What ``policy`` scores for these rows: keys ``[n, layers, h, cached, d]`` of the first ``layers``
         layers, their window queries ``[n, layers, q_heads, w, d]`` and H2O mass ``[n, layers, h, cached]``."""
-        pool = self.kv_pool
-        keys = self._gather_layers(pool.get_key_buffer, slot_matrix, layers).transpose(2, 3)
+        keys = self._gather_layers(self.pool.keys, slot_matrix, layers).transpose(2, 3)
         window_queries = mass = None
         if policy.queries_needed:  # the last ``policy.window`` queries of each ring
             window_queries = self.rows.ring_queries(rows)[:, :layers, :, -policy.window:]
         if policy.needs_accumulated:
-            shape = (self.rows.ring_layers(pool.layer_num), keys.shape[2])
+            shape = (self.rows.ring_layers(self.pool.layers), keys.shape[2])
             mass = torch.stack([self.rows.mass_of(row, cached, shape, keys.device)[:layers] for row in rows])
         return keys, window_queries, mass
 
@@ -356,93 +343,91 @@ class Compressor:
         """``[n, layers, cached, h, d]``: the K (or V) buffers of the first ``layers`` layers at
         ``slot_matrix [n, cached]``, each layer gathered straight into one ``[layers, n * cached, h, d]``
         tensor (indexing then stacking would copy everything twice)."""
-        first = buffer_of(self.kv_pool.start_layer)
+        first = buffer_of(0)
         n, cached = slot_matrix.shape
         flat = slot_matrix.reshape(-1)
         out = torch.empty((layers, n * cached, *first.shape[1:]), dtype=first.dtype, device=first.device)
         for j in range(layers):
-            torch.index_select(buffer_of(self.kv_pool.start_layer + j), 0, flat, out=out[j])
+            torch.index_select(buffer_of(j), 0, flat, out=out[j])
         return out.view(layers, n, cached, *first.shape[1:]).transpose(0, 1)
 
-    def _choose(self, group: list, cached: int) -> torch.Tensor:
+    def _choose(self, group: list[Due], cached: int) -> torch.Tensor:
         """Shared selection for requests of one policy and length: ``[n, budget]`` kept positions."""
-        policy, budget = group[0][3], group[0][4].budget
-        rows = [row for _, _, row, _, _ in group]
+        policy, budget = group[0].policy, group[0].settings.budget
+        rows = [due.row for due in group]
         slot_matrix = torch.stack([self.req_to_token[row, :cached].to(torch.int64) for row in rows])
-        inputs = self._inputs(rows, slot_matrix, cached, policy, policy.scored_layers(self.kv_pool.layer_num))
+        inputs = self._inputs(rows, slot_matrix, cached, policy, policy.scored_layers(self.pool.layers))
         return policy.select_layers(*inputs[:2], budget, inputs[2], gather_heads=self._gather_heads or None)
 
-    def _rewrite(self, group: list, cached: int, req_to_token, allocator, freed: list, decode_slots: int,
-                 tree_cache: Any) -> list[tuple[int, int]]:
+    def _rewrite(self, group: list[Due], cached: int, freed: list, decode_slots: int) -> list[tuple[int, int]]:
         """A set per layer or per KV head, for requests with the same policy and length (scored
         together): copy each layer's kept K/V into request-owned slots. Returns ``(batch index, kept
         length)`` per compressed request; a request without room for its copies waits for the next step."""
-        from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-        policy, budget = group[0][3], group[0][4].budget
-        pool = allocator.get_kvcache()
-        members = []  # (batch index, req, row, slots, owned, destination, borrowed)
-        for i, req, row, _, _ in group:
-            slots = req_to_token[row, :cached].to(torch.int64)
-            owned = slots[req.kv.cache_protected_len:]
+        policy, budget = group[0].policy, group[0].settings.budget
+        pool, req_to_token = self.pool, self.req_to_token
+        members: list[Rewrite] = []
+        for due in group:
+            slots = req_to_token[due.row, :cached].to(torch.int64)
+            owned = slots[due.request.protected:]
             extra = None
             if owned.numel() < budget:  # a long shared prompt: borrow fresh slots for the kept copies
                 need = budget - owned.numel()
                 # the radix tree may give back unused cached prefixes; leave the slots the scheduler
                 # checked for this decode step (one per running request)
-                if allocator.available_size() < need + decode_slots:
-                    evict_from_tree_cache(tree_cache, need + decode_slots)
-                if allocator.available_size() < need + decode_slots:
+                if pool.available() < need + decode_slots:
+                    pool.evict_from_tree(need + decode_slots)
+                if pool.available() < need + decode_slots:
                     STATS.skipped_no_room += 1
                     continue  # no room now: stay uncompressed this step, try again next step
-                extra = allocator.alloc(need).to(torch.int64)
+                extra = pool.alloc(need).to(torch.int64)
             destination = owned[:budget] if extra is None else torch.cat([owned, extra])
-            members.append((i, req, row, slots, owned, destination, extra is not None))
+            members.append(Rewrite(due, slots, owned, destination, extra is not None))
         if not members:
             return []
-        layers = pool.layer_num
-        slot_matrix = torch.stack([m[3] for m in members])  # [n, cached]
-        member_rows = [m[2] for m in members]
+        layers = pool.layers
+        slot_matrix = torch.stack([m.slots for m in members])  # [n, cached]
+        member_rows = [m.due.row for m in members]
         keys, window_queries, mass = self._inputs(member_rows, slot_matrix, cached, policy, layers)
         kept = policy.select_layers(keys, window_queries, budget, mass, gather_heads=self._gather_heads or None)
-        destinations = torch.stack([m[5] for m in members])  # [n, budget]
+        destinations = torch.stack([m.destination for m in members])  # [n, budget]
         if kept.dim() == 3:  # [n, layers, budget]: one set per layer, copied slot to slot
             sources = slot_matrix.unsqueeze(1).expand(-1, layers, -1).gather(2, kept)  # [n, layers, budget]
             for j in range(layers):
-                for buffer in (pool.get_key_buffer(pool.start_layer + j), pool.get_value_buffer(pool.start_layer + j)):
+                for buffer in (pool.keys(j), pool.values(j)):
                     buffer[destinations] = buffer[sources[:, j]]  # read first: sources overlap destinations
             kept = kept.unsqueeze(2).expand(-1, -1, keys.shape[2], -1)
         else:  # [n, layers, h, budget]: a set per KV head
-            values = self._gather_layers(pool.get_value_buffer, slot_matrix, layers).transpose(2, 3)
+            values = self._gather_layers(pool.values, slot_matrix, layers).transpose(2, 3)
             index = kept.unsqueeze(-1).expand(-1, -1, -1, -1, keys.shape[-1])  # [n, layers, h, budget, d]
             new_keys = keys.gather(3, index).transpose(2, 3)  # [n, layers, budget, h, d]
             new_values = values.gather(3, index).transpose(2, 3)
             for j in range(layers):
-                pool.get_key_buffer(pool.start_layer + j)[destinations] = new_keys[:, j]
-                pool.get_value_buffer(pool.start_layer + j)[destinations] = new_values[:, j]
+                pool.keys(j)[destinations] = new_keys[:, j]
+                pool.values(j)[destinations] = new_values[:, j]
         done = []
-        for m, (i, req, row, slots, owned, destination, borrowed) in enumerate(members):
+        for m, member in enumerate(members):
+            row = member.due.row
             if row in self.rows.mass:
                 self.rows.keep_mass_at(row, kept[m, :self.rows.mass[row].shape[0]])
-            protected = req.kv.cache_protected_len
-            freed.append(owned[:0] if borrowed else owned[budget:])
-            req_to_token[row, :budget] = destination.to(req_to_token.dtype)
+            protected = member.due.request.protected
+            freed.append(member.owned[:0] if member.borrowed else member.owned[budget:])
+            req_to_token[row, :budget] = member.destination.to(req_to_token.dtype)
             STATS.copied_tokens += budget
-            self._finish(req, cached, budget, 0, max(owned.numel() - budget, 0), protected)
-            done.append((i, budget))
+            self._finish(member.due.request, cached, budget, 0, max(member.owned.numel() - budget, 0), protected)
+            done.append((member.due.index, budget))
         return done
 
     def _add_pending_mass(self, members: list[tuple[int, int]]) -> None:
         """H2O: add the attention the rows' pending recorded queries paid to their cached keys, every
         recorded layer in one batched pass. ``members``: ``(row, cached length)``."""
-        pool, req_to_token = self.kv_pool, self.req_to_token
+        pool, req_to_token = self.pool, self.req_to_token
         rows = [row for row, _ in members]
         lengths = torch.tensor([cached for _, cached in members], device=req_to_token.device)
         counts = torch.tensor([self.rows.pending[row] for row in rows], device=req_to_token.device)
         width = int(lengths.max())
         slots = req_to_token[rows, :width].to(torch.int64).clamp(min=0)  # stale entries past a length are masked
-        layers = self.rows.ring_layers(pool.layer_num)
-        keys = self._gather_layers(pool.get_key_buffer, slots, layers)  # [n, layers, width, h, d]
+        layers = self.rows.ring_layers(pool.layers)
+        keys = self._gather_layers(pool.keys, slots, layers)  # [n, layers, width, h, d]
         queries = self.rows.ring_queries(rows)  # [n, layers, q_heads, window, d]
         n = len(rows)
         mass = window_attention_mass(keys.flatten(0, 1).transpose(1, 2), queries.flatten(0, 1), self.scaling,
@@ -453,103 +438,55 @@ class Compressor:
             self.rows.pending[row] = 0
 
     # ------------------------------------------------------------------ hooks on the model side
-    def record(self, layer, q: torch.Tensor, forward_batch) -> None:
+    def record(self, layer_id: int, q_heads: int, scaling: float, q: torch.Tensor) -> None:
         """Decode step, before attention: store this step's query per request row (ring layers only)."""
-        pool = self.kv_pool
-        layer_index = layer.layer_id - pool.start_layer
-        if not self.rows.keep_queries or layer_index >= self.rows.ring_layers(pool.layer_num):
+        pool = self.pool
+        layer_index = pool.layer_index(layer_id)
+        if not self.rows.keep_queries or layer_index >= self.rows.ring_layers(pool.layers):
             return
         rows, positions = self.step_slots
-        q = q.view(rows.numel(), layer.tp_q_head_num, -1)
-        self.scaling = layer.scaling
-        self.rows.ensure_queries(self.req_to_token.shape[0], pool.layer_num, layer.tp_q_head_num, q.shape[-1],
-                                 q.dtype, q.device)
+        q = q.view(rows.numel(), q_heads, -1)
+        self.scaling = scaling
+        self.rows.ensure_queries(self.req_to_token.shape[0], pool.layers, q_heads, q.shape[-1], q.dtype, q.device)
         self.rows.queries[rows, layer_index, positions] = q.detach()
-
-
-def kv_pool_allocation(scheduler: Any) -> dict:
-    """What SGLang allocated for the KV pool: bytes of its K and V buffers and their rows (token
-    slots, including the padding slots SGLang adds); compared with tools/launch.py --plan."""
-    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    size = pool.get_kv_size_bytes()
-    buffers = getattr(pool, "k_buffer", None)
-    rows = int(buffers[0].shape[0]) if isinstance(buffers, (list, tuple)) and buffers else None
-    return {"kv_pool_bytes": int(sum(size) if isinstance(size, (tuple, list)) else size), "kv_pool_rows": rows}
 
 
 def install(settings: EngineKVSettings) -> None:
     """Hook decode allocation (compression, H2O's attention mass, pool statistics), decode positions,
-    the attention layer (query recording), retraction and the scheduler's internal state."""
-    from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
-    from sglang.srt.mem_cache import allocation
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
+    the attention layer (query recording), retraction, admission and the scheduler's internal state."""
     compressor = Compressor(settings) if settings.enabled or settings.allow_request_override else None
-    default_alloc = allocation.alloc_for_decode_default
 
-    def alloc_for_decode(batch, token_per_req):
-        if compressor is not None:
-            started = time.perf_counter()
-            compressor(batch)
-            STATS.compress_seconds += time.perf_counter() - started
-        out_cache_loc = default_alloc(batch, token_per_req)
-        STATS.observe_pool(batch.tree_cache.token_to_kv_pool_allocator)
-        return out_cache_loc
+    def before_decode(batch: sglang.DecodeBatch) -> None:
+        started = time.perf_counter()
+        compressor(batch)
+        STATS.compress_seconds += time.perf_counter() - started
 
-    for device in ("cpu", "cuda"):
-        allocation.ALLOC_FOR_DECODE_FUNCS[device] = alloc_for_decode
+    sglang.hook_decode_allocation(before_decode if compressor is not None else None, STATS.observe_pool)
 
     if compressor is not None:
-        original_init_new = ForwardBatch.init_new.__func__
-
-        def init_new(cls, batch, model_runner, **kwargs):
-            forward_batch = original_init_new(cls, batch, model_runner, **kwargs)
-            if forward_batch.forward_mode.is_decode() and batch.reqs:
-                offsets = [getattr(req, OFFSET_ATTR, 0) for req in batch.reqs]
-                if any(offsets):
-                    forward_batch.positions = forward_batch.positions + torch.tensor(
-                        offsets, dtype=forward_batch.positions.dtype, device=forward_batch.positions.device)
-            return forward_batch
-
-        ForwardBatch.init_new = classmethod(init_new)
+        sglang.hook_decode_positions()
 
         if compressor.rows.keep_queries:
-            original_forward = RadixAttention.forward
+            def record(layer_id: int, q_heads: int, scaling: float, q: torch.Tensor) -> None:
+                started = time.perf_counter()
+                compressor.record(layer_id, q_heads, scaling, q)
+                STATS.hook_seconds += time.perf_counter() - started
 
-            def forward(self, q, k, v, forward_batch, *args, **kwargs):
-                if forward_batch.forward_mode.is_decode():
-                    started = time.perf_counter()
-                    compressor.record(self, q, forward_batch)
-                    STATS.hook_seconds += time.perf_counter() - started
-                return original_forward(self, q, k, v, forward_batch, *args, **kwargs)
+            sglang.hook_decode_attention(record)
 
-            RadixAttention.forward = forward
-
-        original_reset = Req.reset_for_retract
-
-        def reset_for_retract(self):
+        def on_retract(request: sglang.Request) -> None:
             # the KV is recomputed densely from the prompt and the output so far: start over
-            setattr(self, OFFSET_ATTR, 0)
-            setattr(self, RETRACTIONS_ATTR, getattr(self, RETRACTIONS_ATTR, 0) + 1)
+            request.evicted_positions = 0
+            request.retractions += 1
             STATS.retractions += 1
-            return original_reset(self)
 
-        Req.reset_for_retract = reset_for_retract
+        sglang.hook_retraction(on_retract)
 
         if settings.compressed_admission:
             from sglang_patches import admission
 
             admission.install(compressor.settings_for)
 
-    original_state = SchedulerInternalStateController.get_internal_state
-
-    def get_internal_state(self, recv_req):
-        output = original_state(self, recv_req)
-        output.internal_state["sparse_rl_kv"] = {"settings": settings.to_dict(), **STATS.read_and_reset_peak(),
-                                                 **kv_pool_allocation(self.scheduler)}
-        return output
-
-    SchedulerInternalStateController.get_internal_state = get_internal_state
+    sglang.hook_internal_state("sparse_rl_kv", lambda pool: {"settings": settings.to_dict(),
+                                                             **STATS.read_and_reset_peak(), **pool.allocation()})
     logger.info("sparse_rl_mega KV patch installed: %s", settings)

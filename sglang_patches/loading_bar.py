@@ -22,6 +22,6 @@ class _BarOverShards:
 
 
 def install() -> None:
-    from sglang.srt.model_loader import weight_utils
+    from sglang_patches import sglang_internals
 
-    weight_utils.tqdm = _BarOverShards
+    sglang_internals.hook_loading_bar(_BarOverShards)

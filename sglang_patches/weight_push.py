@@ -39,35 +39,7 @@ def install() -> None:
 
     if torch.cuda.is_available():
         return  # (GPU buckets come as CUDA IPC handles; flushes there empty CUDA's cache, which is cheap)
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.model_executor.model_runner_components import weight_updater
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang_patches import sglang_internals
 
-    ask = weight_updater._unsupported_derived_weight_cache_error
-    answers: dict = {}  # id(model) -> the check's answer (the model lives as long as the scheduler)
-
-    def _unsupported_derived_weight_cache_error(model=None):
-        if model is None:
-            return ask(model)
-        if id(model) not in answers:
-            answers[id(model)] = ask(model)
-        return answers[id(model)]
-
-    weight_updater._unsupported_derived_weight_cache_error = _unsupported_derived_weight_cache_error
-
-    load_flattened = WeightUpdater._update_weights_from_flattened_bucket
-
-    def _update_weights_from_flattened_bucket(self, flattened_tensor_bucket_dict):
-        flat = flattened_tensor_bucket_dict["flattened_tensor"]
-        if flat.device.type == "cpu" and flat.is_shared():
-            _keep(flat)
-        return load_flattened(self, flattened_tensor_bucket_dict)
-
-    WeightUpdater._update_weights_from_flattened_bucket = _update_weights_from_flattened_bucket
-    flush = Scheduler.flush_cache
-
-    def flush_cache(self, empty_cache: bool = True):  # noqa: ARG001 (always without the collection)
-        return flush(self, empty_cache=False)
-
-    Scheduler.flush_cache = flush_cache
+    sglang_internals.hook_cpu_weight_updates(_keep)
     logger.info("sparse_rl_mega weight-push patches installed")

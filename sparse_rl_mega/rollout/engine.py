@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from sglang_patches import sglang_internals
 from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
                                      cuda_graphs_allowed, records_queries, side_buffer_bytes,
                                      tp_split_problem)
@@ -250,7 +251,9 @@ class RolloutEngine:
         colocated learner trains (GPU only). On a GPU, the KV patch's side buffers (query ring, H2O's
         mass for requests of up to ``prompt_tokens`` prompt tokens) are taken out of
         ``mem_fraction_static`` before SGLang sizes its KV pool, and scoring policies run without CUDA
-        graphs (:func:`cuda_graphs_allowed`)."""
+        graphs (:func:`cuda_graphs_allowed`). Another SGLang than the patch's raises
+        :class:`~sglang_patches.sglang_internals.SGLangVersionError` (one line) before anything starts."""
+        sglang_internals.check_version()
         check_engine_tp(model_path, kv, tp_size)
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if not torch.cuda.is_available() else "0")
         os.environ[ENV_VAR] = kv.to_env()
@@ -407,24 +410,14 @@ class RolloutEngine:
         """Ask the engine to load one flattened bucket that its ranks read from a shared buffer
         (``payloads``: one serialized bucket per TP rank, ``weight_push.serialize_bucket``); with
         ``version`` (the last bucket) it serves that weight version from then on."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
-        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format="flattened_bucket",
-                                                  flush_cache=False, weight_version=_version(version))
-        manager, loop = self.engine.tokenizer_manager, self.engine.loop
-        return self._submit(lambda: loop.run_until_complete(manager.update_weights_from_tensor(request, None)))
+        return self._submit(sglang_internals.load_flattened_bucket(self.engine, payloads, _version(version)))
 
     def submit_flat_receive(self, slots, dtype: torch.dtype, group_name: str, version: Optional[int] = None) -> Future:
         """Ask the engine to receive one flattened bucket that member 0 of weight group ``group_name``
         broadcasts (``slots``: its tensors' names and shapes, in order; ``version`` as above)."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        name = str(dtype).replace("torch.", "")
-        request = UpdateWeightsFromDistributedReqInput(
-            names=[s.name for s in slots], dtypes=[name] * len(slots), shapes=[list(s.shape) for s in slots],
-            group_name=group_name, flush_cache=False, load_format="flattened_bucket", weight_version=_version(version))
-        manager, loop = self.engine.tokenizer_manager, self.engine.loop
-        return self._submit(lambda: loop.run_until_complete(manager.update_weights_from_distributed(request, None)))
+        return self._submit(sglang_internals.receive_flattened_bucket(
+            self.engine, [s.name for s in slots], str(dtype).replace("torch.", ""), [list(s.shape) for s in slots],
+            group_name, _version(version)))
 
     def wait_bucket(self, submitted: Future) -> None:
         """Wait for a bucket's load; one the engine refused raises (its message)."""
@@ -572,9 +565,7 @@ class RolloutEngine:
 
         if self.engine is None:
             return
-        watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
-        if watchdog is not None:  # it would report the deaths below with SIGQUIT
-            watchdog.stop()
+        sglang_internals.stop_subprocess_watchdog(self.engine)  # it would report the deaths below with SIGQUIT
         procs = []
         for pid in self.processes:
             try:
@@ -602,7 +593,7 @@ class RolloutEngine:
     def _release_loop(self) -> None:
         """Cancel the tokenizer manager's tasks and close its event loop, on the call thread (bounded:
         a call stuck on a dead engine was cancelled by :meth:`_fail`), so that nothing is left pending."""
-        loop = self.engine.loop
+        loop = sglang_internals.engine_loop(self.engine)
 
         def close() -> None:
             tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
@@ -659,8 +650,7 @@ class RolloutEngine:
                 return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
             if status == psutil.STATUS_STOPPED:
                 stopped.append(f"{name} (pid {pid}) is stopped")
-        manager = self.engine.tokenizer_manager
-        silent = time.time() - max(waiting_since, getattr(manager, "last_receive_tstamp", 0.0))
+        silent = time.time() - max(waiting_since, sglang_internals.last_answer_time(self.engine))
         if silent > self.timeout_s:
             return (f"no answer for {silent:.0f} s (rollout.engine_timeout_s={self.timeout_s:g})"
                     + (f"; its {', '.join(stopped)}" if stopped else ""))
@@ -669,7 +659,7 @@ class RolloutEngine:
     def _fail(self, phase: str, reason: str):
         """Mark the engine failed and raise; the call thread's pending work is cancelled."""
         self.failure = EngineFailure(self.name, phase, reason)
-        loop = self.engine.loop
+        loop = sglang_internals.engine_loop(self.engine)
         loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
         raise self.failure
 

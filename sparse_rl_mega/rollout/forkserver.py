@@ -46,11 +46,12 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
+from sglang_patches import sglang_internals
 from sglang_patches.settings import ENV_VAR
 from sparse_rl_mega import process_server
 
 PRELOAD = ["sparse_rl_mega.rollout.forkserver_preload",  # first: SIGQUIT ignored while SGLang imports
-           "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
+           *sglang_internals.ENGINE_PROCESS_MODULES]
 
 _started: dict[int, "EngineProcess"] = {}  # pid -> process, for exit codes
 _install_lock = threading.Lock()
@@ -159,19 +160,17 @@ def _server_for_this_environment() -> bool:
 def use_forkserver() -> None:
     """Make SGLang's engine module start engine processes through :class:`_SGLangMultiprocessing`
     (idempotent; CPU engines only)."""
-    import sglang.srt.entrypoints.engine as sglang_engine
-
     global _server_thread
     with _install_lock:
-        if not isinstance(sglang_engine.mp, _SGLangMultiprocessing):
+        if not isinstance(sglang_internals.engine_multiprocessing(), _SGLangMultiprocessing):
             multiprocessing.set_forkserver_preload(PRELOAD)
             _server_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-forkserver")
-            sglang_engine.mp = _SGLangMultiprocessing()
+            sglang_internals.set_engine_multiprocessing(_SGLangMultiprocessing())
 
 
 def import_engine_modules() -> None:
     """SGLang's engine module and the modules of its processes, imported in this process."""
-    for name in ["sglang.srt.entrypoints.engine", *PRELOAD[1:]]:
+    for name in [sglang_internals.ENGINE_MODULE, *PRELOAD[1:]]:
         importlib.import_module(name)
 
 

@@ -203,13 +203,13 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
         try:
             check_request_kv(engine, override)
         except (ValueError, TypeError) as exc:
-            raise UsageError(f"--kv {label}: {exc}{kv_fix(override or dataclasses.asdict(base))}") from None
+            raise UsageError(f"--kv {label}: {exc}{kv_fix(exc, override or dataclasses.asdict(base))}") from None
     return variants
 
 
-def kv_fix(setting: dict) -> str:
+def kv_fix(refusal: Exception, setting: dict) -> str:
     """What to change in a KV ``setting`` (a request's fields) that the engine refused."""
-    if setting["budget"] <= setting["sink"] + setting["window"]:
+    if getattr(refusal, "key", None) == "budget":  # (kv.policies.PolicyError: the budget rule)
         return (f" (sink {setting['sink']}, window {setting['window']}): use a larger budget or a smaller "
                 "--sink / --window")
     return ": fix that KV flag (or its --config field)"

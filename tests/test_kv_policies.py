@@ -363,3 +363,26 @@ def test_newline_tokens_come_from_the_tokenizer(tiny_model_dir):
     assert engine_kv_settings(KVCompressionConfig(policy="rkv")).newline_token_ids == []
     with pytest.raises(ValueError, match="needs the tokenizer"):
         engine_kv_settings(KVCompressionConfig(policy="rkv", trigger="newline"))
+
+
+def test_the_registry_refuses_what_would_break_a_config():
+    """Names a config can write (an identifier, not 'none'), classes that are policies, one class per
+    name; a policy's parameters are its own fields, of their declared types."""
+    from sparse_rl_mega.kv.policies import PolicyError, RKVPolicy, register_policy, resolve_params
+
+    with pytest.raises(ValueError, match="expected an identifier other than 'none'"):
+        register_policy("none", RKVPolicy)
+    with pytest.raises(ValueError, match="expected an identifier"):
+        register_policy("rkv:64", RKVPolicy)
+    with pytest.raises(TypeError, match="not a subclass of EvictionPolicy"):
+        register_policy("mine", dict)
+    with pytest.raises(ValueError, match="already registered as SnapKVPolicy"):
+        register_policy("snapkv", RKVPolicy)
+    register_policy("rkv", RKVPolicy)  # the same class again: nothing changes
+    assert resolve_params("snapkv", {"kernel": 5}) == {"kernel": 5, "pool": "max", "gqa_pool": "max"}
+    assert resolve_params("rkv", {"lam": 1})["lam"] == 1.0  # an int where a float is declared
+    with pytest.raises(PolicyError, match="takes no parameter 'lam'") as info:
+        resolve_params("snapkv", {"lam": 0.2})
+    assert info.value.key == "params.lam"
+    with pytest.raises(PolicyError, match="kernel = True: expected int, got bool"):
+        resolve_params("rkv", {"kernel": True})

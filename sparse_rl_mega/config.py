@@ -139,8 +139,8 @@ class KVCompressionConfig:
     params: dict = field(default_factory=dict)
 
     def policy_params(self, policy: Optional[str] = None) -> dict:
-        """Every parameter of ``policy`` (default: this section's): its defaults, overridden by the
-        ``params`` it takes."""
+        """Every parameter of ``policy`` (default: this section's): its defaults, overridden by those of
+        ``params`` it takes (each must be some registered policy's: ``validate``)."""
         from sparse_rl_mega.kv.policies import NO_POLICY, policy_class, resolve_params
 
         name = policy or self.policy
@@ -788,21 +788,22 @@ def _validate_eval(cfg: RunConfig, source: str) -> None:
 
 
 def _validate_kv(cfg: RunConfig, source: str) -> None:
-    """``rollout.kv_compression``: its policy and parameters, checked by the policy class itself."""
+    """``rollout.kv_compression``: its policy and parameters, checked by the policy class itself. Each
+    of ``params`` must be a parameter of some registered policy; the policy takes those it has (one
+    section serves a comparison of policies by ``--set rollout.kv_compression.policy=...``, and a dense
+    run's compressed evaluation)."""
     from sglang_patches.settings import EngineKVSettings, tp_split_problem
-    from sparse_rl_mega.kv.policies import NO_POLICY, PolicyError, resolve_params
+    from sparse_rl_mega.kv.policies import NO_POLICY, PolicyError
 
     kv, r, a = cfg.rollout.kv_compression, cfg.rollout, cfg.model.arch
     key = "rollout.kv_compression"
+    known = _policy_param_names()
+    for name in kv.params:
+        _require(name in known, source, f"{key}.params.{name}",
+                 f"no registered KV policy takes it; parameters: {', '.join(sorted(known))}")
+    if kv.policy == NO_POLICY:
+        return
     try:
-        if kv.policy == NO_POLICY:
-            # parameters for a dense run's evaluation under compression: each must belong to some policy
-            known = _policy_param_names()
-            for name in kv.params:
-                _require(name in known, source, f"{key}.params.{name}",
-                         f"no registered KV policy takes it; parameters: {', '.join(sorted(known))}")
-            return
-        resolve_params(kv.policy, kv.params)  # a parameter the policy does not take is named here
         kv.build_policy().check_budget(kv.budget)
     except PolicyError as exc:
         raise ConfigError(f"{source}: {key}.{exc.key}: {exc}") from None

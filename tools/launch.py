@@ -93,9 +93,13 @@ def describe_layout(cfg: RunConfig) -> str:
         f", {kv.selection} selection" + (f" ({kv.shared_scores} scores)" if kv.selection == "shared" else ""))
     graphs_on, why = cuda_graphs_allowed(engine_settings(cfg))
     graphs = "" if graphs_on else f"; GPU engines: {why}"
+    params = kv.policy_params()
+    unused = sorted(set(kv.params) - set(params))  # (other policies' parameters, for --set policy=...)
+    params_text = "".join([f"; params {', '.join(f'{k} {v}' for k, v in params.items())}" if params else "",
+                           f" ({', '.join(unused)} not taken by {kv.policy})" if unused else ""])
     kv_line = ("dense (no KV compression)" if kv.policy == "none" else
                f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}{selection}), "
-               f"compress every {kv.interval} decode tokens past the budget{graphs}")
+               f"compress every {kv.interval} decode tokens past the budget{params_text}{graphs}")
     precision = m.dtype + (f", FP8 {m.fp8} ({m.fp8_recipe} scaling)" if m.fp8 else "")
     vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
     virtual = f" ({vpp} virtual stages each)" if vpp > 1 else ""

@@ -1,4 +1,6 @@
-"""The rollout batch: one structure that flows through reward, learner, correction and loss.
+"""The batch types every phase shares: an engine's samples (:class:`GeneratedSample`) and the rollout
+batch they are packed into (:class:`RolloutBatch`), which flows through reward, learner, correction
+and loss. Below both the rollout (``rollout/``) and the learner (``learner/``): it imports neither.
 
 All per-token tensors are aligned to *label* positions of the packed sequence
 ``input_ids = (prompt + response)[:-1]``, ``labels = (prompt + response)[1:]``, padded to a common
@@ -11,7 +13,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from sparse_rl_mega.rollout.engine import GeneratedSample
+
+@dataclass
+class GeneratedSample:
+    """One sampled response. ``logp_sparse[t]`` is the sampler's logprob of ``response_ids[t]``."""
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sparse: list[float]
+    response_text: str
+    finish_reason: str
+    cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
+    weight_version: str = ""  # the engine's weight version when the sample finished
 
 
 @dataclass

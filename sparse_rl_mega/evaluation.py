@@ -1,7 +1,7 @@
 """Accuracy of the model an engine serves, dense and under KV compression, on prompt/label records.
 
 Shared by ``tools/evaluate.py`` (a fresh engine per model) and the trainer's held-out evaluation
-(the rollout engine, between iterations). Every KV setting decodes the same prompts with the same
+(:class:`Evaluator`: the rollout engine, between iterations). Every KV setting decodes the same prompts with the same
 sampling seed, so the settings differ only by the KV cache.
 """
 from __future__ import annotations
@@ -123,3 +123,70 @@ def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Seq
                 f"{len(prompts_ids)} problems ({row['response_tokens_mean']:.0f} tokens/response, "
                 f"{row['evicted_tokens_per_sample']:.1f} evicted/sample, {row['seconds']:.0f} s)")
     return results
+
+
+class Evaluator:
+    """Rank 0 of a training run with an ``eval`` section: held-out accuracy of the weights the rollout
+    engine serves, before training and after the iterations the schedule (schedule.py) names. Keeps
+    every result (``<run_dir>/eval.json``) and prints a before/after table at the end."""
+
+    def __init__(self, cfg, tokenizer, scorer, log: Callable[[str], None] = print):
+        """``cfg``: the run's config (its ``eval`` section says what to evaluate); ``scorer``: the
+        rollout's reward scorer, which judges the answers."""
+        from sparse_rl_mega.data.formatting import encode_prompt
+        from sparse_rl_mega.data.jsonl import PromptDataset
+
+        self.cfg, self.scorer, self.log = cfg, scorer, log
+        e = cfg.eval
+        records = PromptDataset(e.path).records
+        records = records[:e.limit] if e.limit else records
+        if not records:
+            raise ValueError(f"eval.path {e.path}: no rows to evaluate")
+        self.prompts: list[list[int]] = [encode_prompt(tokenizer, r.prompt) for r in records]  # token ids
+        self.labels: list[str] = [r.label for r in records]
+        self.variants = parse_kv_variants(e.kv, cfg.rollout.kv_compression)  # [(label, KV override or None)]
+        self.history: list[dict] = []  # {"iteration": trained iterations, "results": {label: row}} per evaluation
+        log(f"[setup] held-out evaluation: {len(records)} problems of {e.path} x {e.n_samples} samples, "
+            f"KV settings {', '.join(label for label, _ in self.variants)}")
+
+    @property
+    def needs_request_override(self) -> bool:
+        """Whether the engine must accept per-request KV settings (dense or another policy)."""
+        return needs_request_override(self.variants)
+
+    def evaluate(self, engine, trained_iterations: int) -> dict[str, float]:
+        """Held-out accuracy of the weights ``engine`` serves; returns ``eval/<setting>/<figure>``
+        metrics and rewrites ``<run_dir>/eval.json`` with every evaluation so far."""
+        import json
+        from pathlib import Path
+
+        e = self.cfg.eval
+        results = evaluate_on_engine(
+            engine, self.prompts, self.labels, self.scorer, self.variants,
+            n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+            temperature=e.temperature, top_p=e.top_p, seed=e.seed, log=self.log,
+            name=f"eval after {trained_iterations} iteration(s)")
+        engine.flush_cache()  # the next rollout must not depend on what evaluation left cached
+        self.history.append({"iteration": trained_iterations, "results": results})
+        path = Path(self.cfg.trainer.run_dir) / "eval.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"path": e.path, "n_samples": e.n_samples, "temperature": e.temperature,
+                                    "history": self.history}, indent=2))
+        return {f"eval/{label.replace(':', '_')}/{key}": value
+                for label, row in results.items() for key, value in scalar_items(row).items()}
+
+    def summary(self) -> Optional[str]:
+        """Before/after table of the first and the last evaluation; None before a second one."""
+        if len(self.history) < 2:
+            return None
+        first, last = self.history[0], self.history[-1]
+        e = self.cfg.eval
+        problems = next(iter(first["results"].values()))["problems"]
+        lines = [f"[eval] held-out accuracy, mean@{e.n_samples} over {problems} problems of {e.path} "
+                 f"(temperature {e.temperature}):",
+                 f"  {'KV setting':<16}{'after ' + str(first['iteration']) + ' it.':>14}"
+                 f"{'after ' + str(last['iteration']) + ' it.':>14}{'change':>10}"]
+        for label in first["results"]:
+            before, after = first["results"][label]["mean_at_k"], last["results"][label]["mean_at_k"]
+            lines.append(f"  {label:<16}{before:>14.3f}{after:>14.3f}{after - before:>+10.3f}")
+        return "\n".join(lines)

@@ -93,6 +93,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig, launched_at: Optional[float] = None):
         self.cfg = cfg
         self.rank = dist.get_rank()
+        self.dp_group = None  # this rank's data-parallel group, its rank and size in it (set up with Megatron)
+        self.dp_rank = 0
+        self.dp_size = 1
+        self.dataset = None  # the training prompts
+        self.learner = None  # the Megatron model chunks and optimizer (learner/model.py)
         self.fleet = None  # the job's engines, this rank's share of them (sparse_rl_mega/rollout/fleet.py)
         self.tracker = None
         self.scorer = None  # engine hosts: the reward scorer (math: a pool of checking processes)
@@ -101,6 +106,8 @@ class Trainer:
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.engine_seconds: Optional[float] = None  # how long it took to come up
         self.rollouts = None  # the samples of each iteration, overlapped or not (rollout/pipeline.py)
+        self.schedule = None  # after which iterations to push, checkpoint and evaluate (schedule.py)
+        self.evaluator = None  # rank 0 with an eval section: held-out accuracy (evaluation.py)
         self.tokenizer = None  # engine hosts
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.clock = PhaseClock(launched_at)
@@ -184,7 +191,9 @@ class Trainer:
         self.finish_engine_start()
         self.clock.mark("waiting for the engine")
         from sparse_rl_mega.rollout.pipeline import RolloutPipeline
+        from sparse_rl_mega.schedule import Schedule
 
+        self.schedule = Schedule.from_config(cfg, engines_release_memory=self.fleet.release_memory)
         self.rollouts = RolloutPipeline(cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, log)
         dist.barrier()
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
@@ -203,7 +212,8 @@ class Trainer:
         """Tokens of the longest training or held-out prompt: bounds H2O's side buffer on a GPU engine."""
         from sparse_rl_mega.data.formatting import encode_prompt
 
-        prompts = [r.prompt for r in self.dataset.records] + list(getattr(self, "eval_prompts", []) or [])
+        held_out = self.evaluator.prompts if self.evaluator is not None else []
+        prompts = [r.prompt for r in self.dataset.records] + held_out
         return max(len(p) if isinstance(p, list) else len(encode_prompt(self.tokenizer, p)) for p in prompts)
 
     def begin_engine_start(self, background: bool) -> None:
@@ -218,7 +228,7 @@ class Trainer:
         if self.placement is not None:
             from transformers import AutoTokenizer
 
-            from sparse_rl_mega.evaluation import needs_request_override
+            from sparse_rl_mega.evaluation import Evaluator
             from sparse_rl_mega.reward import build_scorer
             from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings
 
@@ -229,9 +239,9 @@ class Trainer:
                 f"{' while the learner loads' if background else ''} ...")
             kv_settings = engine_kv_settings(r.kv_compression, self.tokenizer)
             if cfg.eval.path is not None and self.rank == 0:
-                self.setup_eval()
+                self.evaluator = Evaluator(cfg, self.tokenizer, self.scorer, log)
                 # dense (or another policy) for evaluation requests: the engine accepts per-request settings
-                kv_settings.allow_request_override = needs_request_override(self.eval_variants)
+                kv_settings.allow_request_override = self.evaluator.needs_request_override
             prompt_tokens = self.longest_prompt_tokens() if on_gpu else 0
 
             def make_start(name: str) -> EngineStart:
@@ -252,60 +262,6 @@ class Trainer:
 
         check_ids = encode_prompt(self.tokenizer, self.dataset.records[0].prompt) if self.rank == 0 else None
         self.engine_seconds = self.fleet.ready(self.learner, check_ids)
-
-    def setup_eval(self) -> None:
-        """Rank 0: the held-out prompts and KV settings of ``eval``."""
-        from sparse_rl_mega.data.formatting import encode_prompt
-        from sparse_rl_mega.data.jsonl import PromptDataset
-        from sparse_rl_mega.evaluation import parse_kv_variants
-
-        e = self.cfg.eval
-        records = PromptDataset(e.path).records
-        records = records[:e.limit] if e.limit else records
-        if not records:
-            raise ValueError(f"eval.path {e.path}: no rows to evaluate")
-        self.eval_prompts = [encode_prompt(self.tokenizer, r.prompt) for r in records]
-        self.eval_labels = [r.label for r in records]
-        self.eval_variants = parse_kv_variants(e.kv, self.cfg.rollout.kv_compression)
-        self.eval_history: list[dict] = []
-        log(f"[setup] held-out evaluation: {len(records)} problems of {e.path} x {e.n_samples} samples, "
-            f"KV settings {', '.join(label for label, _ in self.eval_variants)}")
-
-    def evaluate(self, trained_iterations: int) -> dict[str, float]:
-        """Rank 0: held-out accuracy of the weights the engine serves; returns ``eval/...`` metrics and
-        appends to ``<run_dir>/eval.json``."""
-        from sparse_rl_mega.evaluation import evaluate_on_engine, scalar_items
-
-        e = self.cfg.eval
-        results = evaluate_on_engine(
-            self.engine, self.eval_prompts, self.eval_labels, self.scorer, self.eval_variants,
-            n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-            temperature=e.temperature, top_p=e.top_p, seed=e.seed, log=log, name=f"eval after {trained_iterations} iteration(s)")
-        self.engine.flush_cache()  # the next rollout must not depend on what evaluation left cached
-        self.eval_history.append({"iteration": trained_iterations, "results": results})
-        path = Path(self.cfg.trainer.run_dir) / "eval.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"path": e.path, "n_samples": e.n_samples, "temperature": e.temperature,
-                                    "history": self.eval_history}, indent=2))
-        metrics = {f"eval/{label.replace(':', '_')}/{key}": value
-                   for label, row in results.items() for key, value in scalar_items(row).items()}
-        if self.tracker is not None:
-            self.tracker.log_metrics(metrics, step=trained_iterations)
-        return metrics
-
-    def eval_summary(self) -> str:
-        """Before/after table of the first and the last evaluation."""
-        first, last = self.eval_history[0], self.eval_history[-1]
-        e = self.cfg.eval
-        problems = next(iter(first["results"].values()))["problems"]
-        lines = [f"[eval] held-out accuracy, mean@{e.n_samples} over {problems} problems of {e.path} "
-                 f"(temperature {e.temperature}):",
-                 f"  {'KV setting':<16}{'after ' + str(first['iteration']) + ' it.':>14}"
-                 f"{'after ' + str(last['iteration']) + ' it.':>14}{'change':>10}"]
-        for label in first["results"]:
-            before, after = first["results"][label]["mean_at_k"], last["results"][label]["mean_at_k"]
-            lines.append(f"  {label:<16}{before:>14.3f}{after:>14.3f}{after - before:>+10.3f}")
-        return "\n".join(lines)
 
     def checkpoint_dir(self) -> Path:
         from sparse_rl_mega.learner.checkpoint import checkpoint_folder
@@ -365,120 +321,153 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
-        from sparse_rl_mega.algo.advantages import grpo_advantages
-        from sparse_rl_mega.algo.correction import compute_correction
-        from sparse_rl_mega.learner.step import forward_logprobs, train_step
-
-        cfg = self.cfg
-        algo, correction = cfg.algorithm, cfg.algorithm.correction
-        group_size, mbs = cfg.rollout.n_samples_per_prompt, cfg.trainer.micro_batch_size
-        evaluating = cfg.eval.path is not None and self.rank == 0
-        if evaluating and self.start_iteration == 0 and cfg.eval.before_training:
+        """The iterations, each as its phases: sample, prepare, optimise, then push, checkpoint and
+        evaluate after the iterations the schedule names (schedule.py), and report."""
+        cfg, schedule = self.cfg, self.schedule
+        if self.evaluator is not None and schedule.evaluate_before_training(self.start_iteration):
             self.evaluate(0)
         loop_started = time.perf_counter()
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
-            timer = PhaseTimer()
-            started = time.perf_counter()
+            timer, started = PhaseTimer(), time.perf_counter()
             watchdog.at_iteration(iteration)
             self.fleet.restarts = 0
-            self.faults.at("rollout", iteration)
-            sampled = self.rollouts.take(iteration, timer)
-            # max_staleness >= 1: the engines now generate the next iteration's samples while this one trains
-            self.rollouts.start_ahead(iteration + 1, timer)
-            batch, metrics, example = sampled.batch, dict(sampled.metrics), sampled.example
-            self.faults.at("train", iteration)
-            if not algo.advantage_after_rejection:
-                batch.advantages = grpo_advantages(batch.rewards, group_size, algo.advantage_std_normalize)
-            local = batch.select(self.local_indices(batch.size))
-            metrics["rollout/prompts_per_dp_rank"] = float(self.check_data_parallel_split(batch, local))
-            with timer.phase("logp_old"):
-                if correction.old_policy == "sampler":  # bypass: the sampler is the PPO anchor
-                    local.logp_old = local.logp_sparse.clone()
-                else:
-                    local.logp_old = forward_logprobs(self.learner.chunks, local, mbs)
-                if self.ref_model is not None:
-                    local.logp_ref = forward_logprobs(self.ref_model, local, mbs)
-
-            # Each optimizer step's global batch is corrected on its own: batch normalisation and the
-            # loss normaliser span exactly the rows of that step on every DP rank.
-            share = cfg.trainer.global_batch_size // self.dp_size
-            per_step: list[dict[str, float]] = []
-            for step in range(cfg.optimizer_steps_per_iteration):
-                part = local.select(torch.arange(step * share, (step + 1) * share))
-                part.is_weights, part.loss_mask, step_metrics = compute_correction(
-                    part.logp_old, part.logp_sparse, part.response_mask, correction, group=self.dp_group)
-                if algo.advantage_after_rejection:
-                    part.advantages = grpo_advantages(part.rewards, group_size, algo.advantage_std_normalize,
-                                                      valid=part.loss_mask.sum(dim=1) > 0)
-                step_metrics.update(advantage_metrics(part.advantages, self.dp_group))
-                if cfg.rollout.max_staleness:
-                    step_metrics.update(metrics_by_staleness(part, iteration, cfg.rollout.max_staleness, correction,
-                                                             self.dp_group))
-                with timer.phase("train"):
-                    step_metrics.update(train_step(self.learner, part, algo, mbs))
-                self.count_skipped_step(step_metrics, iteration, step)
-                per_step.append(step_metrics)
-            for key in dict.fromkeys(key for m in per_step for key in m):  # (by staleness: where present)
-                values = [m[key] for m in per_step if key in m]
-                if key == "train/skipped_steps":
-                    metrics[key] = sum(values)
-                elif key.endswith("max"):
-                    metrics[key] = max(values)
-                elif key.endswith("/min"):
-                    metrics[key] = min(values)
-                else:
-                    metrics[key] = sum(values) / len(values)
-
-            probe = None
-            if cfg.trainer.verify_sync:
-                # a fixed, fully known sequence: the first sample of this batch (prompt + response)
-                length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
-                probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
+            sampled = self.sample(iteration, timer)
+            local, metrics = self.prepare(sampled, iteration, timer)
+            metrics.update(self.optimise(local, iteration, timer))
             trained = iteration + 1
-            checkpoint_due = bool(cfg.checkpoint.save_interval) and trained % cfg.checkpoint.save_interval == 0
-            eval_due = cfg.eval.path is not None and (
-                (cfg.eval.interval and trained % cfg.eval.interval == 0) or trained == cfg.trainer.iterations)
-            # engines take weights only when idle: a push waits for the batch in flight (overlapped rollouts)
-            if checkpoint_due or eval_due or trained == cfg.trainer.iterations or \
-                    self.rollouts.push_due(trained, self.fleet.version):
-                self.rollouts.collect(trained, timer)
-                self.faults.at("sync", iteration)
-                metrics.update(self.fleet.push_weights(probe, trained, timer))
-
-            if checkpoint_due:
-                from sparse_rl_mega.learner.checkpoint import config_digest, save_checkpoint
-
-                self.faults.at("checkpoint", iteration)
-                with timer.phase("checkpoint"):
-                    extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
-                             "initial_model": cfg.model.path, "config": cfg.to_dict(),
-                             "config_digest": config_digest(cfg.to_dict())}
-                    saved, saved_bytes, digest_seconds = save_checkpoint(
-                        self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
-                        rank0_extra=self.rollouts.save)
-                metrics["time/checkpoint_digest_s"] = digest_seconds
-                saved_line = (f"[checkpoint] iteration {trained} saved in {timer.seconds['checkpoint']:.1f} s "
-                              f"({saved_bytes / 2**20:.1f} MiB, digests {digest_seconds:.2f} s): {saved}")
-
-            if evaluating and eval_due:
+            if schedule.push(trained, self.fleet.version):
+                metrics.update(self.push(sampled.batch, iteration, timer))
+            saved_line = None
+            if schedule.checkpoint(trained):
+                saved_line = self.checkpoint(iteration, timer, metrics)
+            if self.evaluator is not None and schedule.evaluate(trained):
                 with timer.phase("eval"):
                     self.evaluate(trained)
-
             metrics.update(timer.metrics())
             metrics["engine/restarts"] = float(self.fleet.restarts)
             metrics["time/iteration_s"] = time.perf_counter() - started
             if self.rank == 0:
-                self.tracker.log_metrics(metrics, step=iteration)
-                self.write_timeline(iteration, timer)
-                done, left = iteration + 1 - self.start_iteration, cfg.trainer.iterations - iteration - 1
-                eta = (time.perf_counter() - loop_started) / done * left
-                log(_progress_line(iteration, cfg.trainer.iterations, metrics) + (f" | ETA {duration(eta)}" if left else ""))
-                log(f"           example response: {example[:100]!r}" + (
-                    "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
-                if checkpoint_due:
-                    log(saved_line)
-        if evaluating and len(self.eval_history) > 1:
-            log(self.eval_summary())
+                self.report(iteration, metrics, timer, sampled.example, saved_line, loop_started)
+        self.report_end(loop_started)
+
+    def sample(self, iteration: int, timer: PhaseTimer):
+        """The batch iteration ``iteration`` trains on (a rollout/pipeline.py SampledBatch: every rank
+        holds all of it); with ``rollout.max_staleness`` >= 1 the engines then start on the next one."""
+        self.faults.at("rollout", iteration)
+        sampled = self.rollouts.take(iteration, timer)
+        # max_staleness >= 1: the engines now generate the next iteration's samples while this one trains
+        self.rollouts.start_ahead(iteration + 1, timer)
+        return sampled
+
+    def prepare(self, sampled, iteration: int, timer: PhaseTimer):
+        """GRPO advantages of the batch (unless taken per step, after rejection), this DP rank's rows
+        of it and their old (and reference) logprobs. Returns those rows (a RolloutBatch of
+        ``optimizer_steps_per_iteration * global_batch_size / DP`` rows) and the iteration's metrics so far."""
+        from sparse_rl_mega.algo.advantages import grpo_advantages
+        from sparse_rl_mega.learner.step import forward_logprobs
+
+        cfg, algo, mbs = self.cfg, self.cfg.algorithm, self.cfg.trainer.micro_batch_size
+        batch, metrics = sampled.batch, dict(sampled.metrics)
+        self.faults.at("train", iteration)
+        if not algo.advantage_after_rejection:
+            batch.advantages = grpo_advantages(batch.rewards, cfg.rollout.n_samples_per_prompt,
+                                               algo.advantage_std_normalize)
+        local = batch.select(self.local_indices(batch.size))
+        metrics["rollout/prompts_per_dp_rank"] = float(self.check_data_parallel_split(batch, local))
+        with timer.phase("logp_old"):
+            if algo.correction.old_policy == "sampler":  # bypass: the sampler is the PPO anchor
+                local.logp_old = local.logp_sparse.clone()
+            else:
+                local.logp_old = forward_logprobs(self.learner.chunks, local, mbs)
+            if self.ref_model is not None:
+                local.logp_ref = forward_logprobs(self.ref_model, local, mbs)
+        return local, metrics
+
+    def optimise(self, local, iteration: int, timer: PhaseTimer) -> dict[str, float]:
+        """The optimizer steps on this rank's rows (``local``), each correcting its own global batch:
+        batch normalisation and the loss normaliser span exactly the rows of that step on every DP
+        rank. Returns the steps' metrics merged by their declared reductions (step_metrics.py)."""
+        from sparse_rl_mega.algo.advantages import grpo_advantages
+        from sparse_rl_mega.algo.correction import compute_correction
+        from sparse_rl_mega.learner.step import train_step
+        from sparse_rl_mega.step_metrics import advantage_metrics, merge_steps, metrics_by_staleness
+
+        cfg, algo, correction = self.cfg, self.cfg.algorithm, self.cfg.algorithm.correction
+        share = cfg.trainer.global_batch_size // self.dp_size
+        per_step: list[dict[str, float]] = []
+        for step in range(cfg.optimizer_steps_per_iteration):
+            part = local.select(torch.arange(step * share, (step + 1) * share))
+            part.is_weights, part.loss_mask, step_metrics = compute_correction(
+                part.logp_old, part.logp_sparse, part.response_mask, correction, group=self.dp_group)
+            if algo.advantage_after_rejection:
+                part.advantages = grpo_advantages(part.rewards, cfg.rollout.n_samples_per_prompt,
+                                                  algo.advantage_std_normalize, valid=part.loss_mask.sum(dim=1) > 0)
+            step_metrics.update(advantage_metrics(part.advantages, self.dp_group))
+            if cfg.rollout.max_staleness:
+                step_metrics.update(metrics_by_staleness(part, iteration, cfg.rollout.max_staleness, correction,
+                                                         self.dp_group))
+            with timer.phase("train"):
+                step_metrics.update(train_step(self.learner, part, algo, cfg.trainer.micro_batch_size))
+            self.count_skipped_step(step_metrics, iteration, step)
+            per_step.append(step_metrics)
+        return merge_steps(per_step)
+
+    def push(self, batch, iteration: int, timer: PhaseTimer) -> dict[str, float]:
+        """The weights after ``iteration`` to the engines once they are idle (a push waits for the batch
+        in flight: overlapped rollouts), checked on the first sample of ``batch``; its sync/ metrics."""
+        probe = None
+        if self.cfg.trainer.verify_sync:
+            # a fixed, fully known sequence: the first sample of this batch (prompt + response)
+            length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
+            probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
+        self.rollouts.collect(iteration + 1, timer)
+        self.faults.at("sync", iteration)
+        return self.fleet.push_weights(probe, iteration + 1, timer)
+
+    def checkpoint(self, iteration: int, timer: PhaseTimer, metrics: dict[str, float]) -> str:
+        """Save the learner (and the batch ahead) after ``iteration``; adds ``time/checkpoint_digest_s``
+        to ``metrics``; returns the console's line about it."""
+        from sparse_rl_mega.learner.checkpoint import config_digest, save_checkpoint
+
+        cfg, trained = self.cfg, iteration + 1
+        self.faults.at("checkpoint", iteration)
+        with timer.phase("checkpoint"):
+            extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
+                     "initial_model": cfg.model.path, "config": cfg.to_dict(),
+                     "config_digest": config_digest(cfg.to_dict())}
+            saved, saved_bytes, digest_seconds = save_checkpoint(
+                self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
+                rank0_extra=self.rollouts.save)
+        metrics["time/checkpoint_digest_s"] = digest_seconds
+        return (f"[checkpoint] iteration {trained} saved in {timer.seconds['checkpoint']:.1f} s "
+                f"({saved_bytes / 2**20:.1f} MiB, digests {digest_seconds:.2f} s): {saved}")
+
+    def evaluate(self, trained: int) -> None:
+        """Rank 0: held-out accuracy of the weights the engine serves, logged at step ``trained``."""
+        metrics = self.evaluator.evaluate(self.engine, trained)
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step=trained)
+
+    def report(self, iteration: int, metrics: dict[str, float], timer: PhaseTimer, example: str,
+               saved_line: Optional[str], loop_started: float) -> None:
+        """Rank 0: the iteration's metrics to MLflow, its spans to the timeline, its lines to the console."""
+        total = self.cfg.trainer.iterations
+        self.tracker.log_metrics(metrics, step=iteration)
+        self.write_timeline(iteration, timer)
+        done, left = iteration + 1 - self.start_iteration, total - iteration - 1
+        eta = (time.perf_counter() - loop_started) / done * left
+        log(_progress_line(iteration, total, metrics) + (f" | ETA {duration(eta)}" if left else ""))
+        log(f"           example response: {example[:100]!r}" + (
+            "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
+        if saved_line is not None:
+            log(saved_line)
+
+    def report_end(self, loop_started: float) -> None:
+        """The held-out before/after table, the loop's time, where the run went."""
+        summary = self.evaluator.summary() if self.evaluator is not None else None
+        if summary is not None:
+            log(summary)
+        cfg = self.cfg
         trained = max(0, cfg.trainer.iterations - self.start_iteration)
         log(f"[done] {trained} iteration(s) in {duration(time.perf_counter() - loop_started)} ({duration(time.time() - self.clock.started_at)} "
             f"since launch); run folder {Path(cfg.trainer.run_dir).resolve()}")
@@ -539,44 +528,6 @@ class Trainer:
 
 class NonFiniteTraining(JobWideError):
     """Too many optimizer steps in a row were skipped for a NaN/Inf loss or gradient norm."""
-
-
-def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
-    """Mean, std, min, max and zero fraction of the advantages of a global batch (reduced over DP)."""
-    adv = advantages.double()
-    sums = torch.stack([adv.sum(), adv.pow(2).sum(), torch.tensor(float(adv.numel()), dtype=torch.float64),
-                        (adv == 0).double().sum()])
-    extremes = torch.stack([adv.max(), -adv.min()])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    total, squares, count, zeros = sums.tolist()
-    mean = total / count
-    return {"advantage/mean": mean, "advantage/std": max(squares / count - mean * mean, 0.0) ** 0.5,
-            "advantage/max": float(extremes[0]), "advantage/min": -float(extremes[1]),
-            "advantage/zero_fraction": zeros / count}
-
-
-def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, group) -> dict[str, float]:
-    """The mismatch and rejection figures of the rows trained at ``iteration`` with each staleness
-    0..``max_staleness`` (learner version - the version that sampled the row) present in the global
-    batch (``part``: this DP rank's rows of it), e.g. ``mismatch/k3_staleness1``."""
-    from sparse_rl_mega.algo.correction import compute_correction
-
-    staleness = iteration - part.weight_versions
-    out: dict[str, float] = {}
-    for s in range(max_staleness + 1):
-        rows = (staleness == s).nonzero().flatten()
-        present = torch.tensor([float(rows.numel())])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(present, group=group)
-        if not present.item():
-            continue
-        _, _, m = compute_correction(part.logp_old[rows], part.logp_sparse[rows], part.response_mask[rows],
-                                     correction, group=group)
-        out.update({f"{key}_staleness{s}": m[key] for key in ("mismatch/k3", "correction/token_rejected_fraction",
-                                                               "correction/veto_fraction")})
-    return out
 
 
 def duration(seconds: float) -> str:

@@ -125,24 +125,21 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
 @pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_push_schedule_bounds_staleness_by_k(k):
-    """The push rule (``RolloutPipeline.push_due``) over a long run: batch j starts at iteration j-1 with the
+    """The push rule (``Schedule.push``) over a long run: batch j starts at iteration j-1 with the
     weights the engines serve then and trains at iteration j; no batch may be more than K versions old,
     and the engines get weights only as often as that needs (every K-th iteration)."""
-    from types import SimpleNamespace
+    from sparse_rl_mega.schedule import Schedule
 
-    from sparse_rl_mega.rollout.pipeline import RolloutPipeline
-
-    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k), trainer=SimpleNamespace(iterations=30))
-    pipeline = RolloutPipeline(cfg, SimpleNamespace(release_memory=False), dataset=None)
+    schedule = Schedule(iterations=30, max_staleness=k, engines_release_memory=False)
     served, started_with, pushes = 0, {0: 0}, []
     for iteration in range(30):
         started_with[iteration + 1] = served  # start_ahead after take: the engines' weights now
-        if pipeline.push_due(iteration + 1, served):
+        if schedule.push(iteration + 1, served):
             served = iteration + 1
             pushes.append(iteration + 1)
     staleness = [j - started_with[j] for j in range(1, 30)]
     assert max(staleness) == k and min(staleness) == 1
     assert pushes == list(range(k, 31, k))
     # colocated engines on GPUs hold no weights after training: a push after every iteration
-    colocated = RolloutPipeline(cfg, SimpleNamespace(release_memory=True), dataset=None)
-    assert all(colocated.push_due(t, t - 1) for t in range(1, 30))
+    colocated = Schedule(iterations=30, max_staleness=k, engines_release_memory=True)
+    assert all(colocated.push(t, t - 1) for t in range(1, 30))

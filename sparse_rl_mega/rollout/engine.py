@@ -16,7 +16,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -26,21 +25,9 @@ from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_
                                      cuda_graphs_allowed, records_queries, side_buffer_bytes,
                                      tp_split_problem)
 from sparse_rl_mega import watchdog
+from sparse_rl_mega.batch import GeneratedSample
 from sparse_rl_mega.kv.policies import build_policy
 from sparse_rl_mega.rollout import forkserver
-
-
-@dataclass
-class GeneratedSample:
-    """One sampled response. ``logp_sparse[t]`` is the sampler's logprob of ``response_ids[t]``."""
-    prompt_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logp_sparse: list[float]
-    response_text: str
-    finish_reason: str
-    cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
-    weight_version: str = ""  # the engine's weight version when the sample finished
 
 
 class EngineFailure(RuntimeError):

@@ -7,17 +7,15 @@ iterations (the learner's own).
 ``K >= 1``, one batch ahead: as soon as iteration i has its samples, the engines start on iteration
 i+1's prompts with the weights they serve and decode them in their own processes while the learner
 trains on iteration i. Weights go to idle engines only: a push first waits for the batch in flight,
-so every sample comes from one weight version (no partial rollouts). The trainer pushes after
-iteration i when, without the push, the next batch the engines start would be more than K versions
-old when trained (K = 1: after every iteration; K = 2: every other one), and whenever the engines
-must serve the newest weights (checkpoint, evaluation, last iteration, colocated engines on GPUs:
-they hand their memory to the learner while it trains and hold no weights after that, so they also
-generate before the learner trains and nothing overlaps there).
+so every sample comes from one weight version (no partial rollouts). When the trainer pushes (often
+enough that no batch is more than K versions old when trained) is sparse_rl_mega/schedule.py's rule.
+Colocated engines on GPUs hand their memory to the learner while it trains and hold no weights after
+that, so they generate the next batch before the learner trains and nothing overlaps there.
 
 A sample's *staleness* = the learner's version when it trains on the sample minus the version that
 generated it (every token of a sample has that version). A batch holding a sample more than K
 versions old is dropped and sampled again with the learner's weights (counted in
-``rollout/stale_dropped_samples``): with the schedule above that happens only when a run is resumed
+``rollout/stale_dropped_samples``): with that schedule it happens only when a run is resumed
 with a smaller K than the one that saved the batch ahead.
 
 The batch ahead is saved with every checkpoint (the push before a checkpoint collects it), so a
@@ -139,12 +137,6 @@ class RolloutPipeline:
             return
         with timer.phase("learner_wait"):
             self.ahead = self.sample(self.ahead_iteration, learner_version, timer)
-
-    def push_due(self, trained: int, served: int) -> bool:
-        """Whether the weights after ``trained`` iterations must go to the engines (serving version
-        ``served``) now, for staleness: the batch they start next is trained at iteration ``trained
-        + 1``. (The trainer also pushes for checkpoints, evaluation and the last iteration.)"""
-        return not self.max_staleness or self.fleet.release_memory or trained + 1 - served > self.max_staleness
 
     def drain_timeline(self) -> list[tuple[int, int, float, float]]:
         """Rank 0: ``(iteration, engine, started, finished)`` of every batch gathered since the last call."""

@@ -1,11 +1,13 @@
 """The Sparse-RL loop, run by every torchrun rank.
 
-One iteration:
-  rollout (rank 0's SGLang engine, KV evicted per request) -> reward (exact answer or math-verify) -> GRPO advantages
-  -> dense ``logp_old`` from the Megatron learner -> correction (veto, token rejection, IS weights)
-  -> optimizer step(s) with the corrected PPO loss -> engine weights resynced from the learner shards
-  -> (optionally) held-out accuracy on the engine, dense and sparse -> metrics to MLflow and the console.
-With ``rollout.max_staleness`` >= 1 the engines generate the next iteration's samples while the learner
+One iteration, as its phases (:meth:`Trainer.run`):
+  sample (the SGLang engines, KV evicted per request; rewards: exact answer or math-verify)
+  -> prepare (GRPO advantages, this DP rank's rows, dense ``logp_old`` from the Megatron learner)
+  -> optimise (per step: correction (veto, token rejection, IS weights), the corrected PPO loss's step)
+  -> push (engine weights from the learner shards) -> checkpoint -> evaluate (held-out accuracy on the
+  engine, dense and sparse) -> report (metrics to MLflow and the console).
+Push, checkpoint and evaluate follow one schedule (sparse_rl_mega/schedule.py). With
+``rollout.max_staleness`` >= 1 the engines generate the next iteration's samples while the learner
 trains on this one (sparse_rl_mega/rollout/pipeline.py); weights go to the engines once they are idle.
 """
 from __future__ import annotations

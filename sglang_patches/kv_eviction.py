@@ -67,6 +67,9 @@ class EngineKVStats:
         self.compress_seconds = 0.0
         self.hook_seconds = 0.0
         self.peak_slots_in_use = 0
+        # the most KV slots one request held in a decode step (after its compression, with the step's
+        # token) since the last read: what each request's memory came to
+        self.peak_request_tokens = 0
         self.pool_size = 0
         # side buffers beside SGLang's pool: the decode-query ring (allocated once) and H2O's per-request
         # attention mass (now and at its peak)
@@ -85,6 +88,7 @@ class EngineKVStats:
     def read_and_reset_peak(self) -> dict:
         out = dict(vars(self))
         self.peak_slots_in_use = 0
+        self.peak_request_tokens = 0
         self.h2o_mass_peak_bytes = self.h2o_mass_bytes
         return out
 
@@ -223,7 +227,7 @@ class Compressor:
         scheduler asks for them every decode step and every admission decision."""
         plan = request.plan
         if plan is None:
-            override = request.custom_params.get(REQUEST_KEY) if self.settings.allow_request_override else None
+            override = request.custom_params.get(REQUEST_KEY)
             settings = self.settings.updated(override) if override else self.settings
             plan = request.plan = (settings, self.policy_for(settings) if settings.enabled else None)
         return plan
@@ -296,6 +300,7 @@ class Compressor:
         if freed:
             pool.free(torch.cat(freed).to(torch.int64))
         batch.set_seq_lens(seq_lens)
+        STATS.peak_request_tokens = max(STATS.peak_request_tokens, int(seq_lens.max()) + 1)
 
     @staticmethod
     def _finish(request: sglang.Request, cached: int, kept_len: int, protected_after: int, owned_freed: int,

@@ -10,7 +10,8 @@ from sparse_rl_mega.kv.policies import NO_POLICY, EvictionPolicy, policy_class
 
 ENV_VAR = "SPARSE_RL_MEGA_KV"
 # a request may carry its own settings in sampling_params["custom_params"][REQUEST_KEY] (a dict of the
-# fields below) when the engine was started with allow_request_override
+# fields below) when the engine was started with allow_request_override; its own budget (no larger
+# than the engine's) always
 REQUEST_KEY = "sparse_rl_kv"
 
 
@@ -36,6 +37,14 @@ class EngineKVSettings:
     scoring_workspace_bytes: int = 256 << 20
 
     def updated(self, override: dict) -> "EngineKVSettings":
+        """These settings with a request's ``override``: any field when the engine allows overrides;
+        else only a budget no larger than the engine's (an automatic budget), which needs no more memory
+        and records nothing more than the engine was started for."""
+        if not self.allow_request_override:
+            if set(override) != {"budget"} or not 0 < override["budget"] <= self.budget:
+                raise ValueError(f"this engine was started without allow_request_override: a request may only "
+                                 f"lower its budget (at most {self.budget}), got {override}")
+            return EngineKVSettings(**{**self.to_dict(), "budget": int(override["budget"])})
         unknown = set(override) - {f for f in self.to_dict() if f not in ("allow_request_override", "compressed_admission")}
         if unknown:
             raise ValueError(f"unknown KV settings in a request: {sorted(unknown)}")
@@ -49,8 +58,9 @@ class EngineKVSettings:
 
     @classmethod
     def from_config(cls, kv_cfg, newline_token_ids=(), allow_request_override: bool = False) -> "EngineKVSettings":
-        """The engine's settings for ``rollout.kv_compression`` of a run config (a KVCompressionConfig)."""
-        return cls(policy=kv_cfg.policy, budget=kv_cfg.budget, sink=kv_cfg.sink, window=kv_cfg.window,
+        """The engine's settings for ``rollout.kv_compression`` of a run config (a KVCompressionConfig):
+        with an automatic budget, sized for its largest (each rollout's requests ask for the one in force)."""
+        return cls(policy=kv_cfg.policy, budget=kv_cfg.largest_budget, sink=kv_cfg.sink, window=kv_cfg.window,
                    interval=kv_cfg.interval, selection=kv_cfg.selection, shared_scores=kv_cfg.shared_scores,
                    params=kv_cfg.policy_params(), newline_token_ids=list(newline_token_ids),
                    allow_request_override=allow_request_override)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 import typing
@@ -114,6 +115,32 @@ class ParallelConfig:
 
 
 @dataclass
+class AutoBudgetConfig:
+    """``rollout.kv_compression.auto_budget``: the budget of each rollout set from the mismatch the last
+    one measured (sparse_rl_mega/kv/auto_budget.py, docs/algorithm.md "The automatic budget"). The
+    section's ``budget`` is where it starts; engines, ``--plan``, admission and the side buffers are
+    sized for ``max``."""
+    min: Optional[int] = None
+    max: Optional[int] = None
+    # the target: the quantile-percent quantile of rho = pi_old / pi_sparse over response tokens stays
+    # >= min_rho (one of the measured quantiles, algo/correction.py LOG_RHO_QUANTILES below the median)
+    quantile: float = 5.0
+    min_rho: float = 0.5
+    # tokens up after a violation / down after a rollout within the target; default a third of the
+    # range up and a quarter of that down
+    increase: Optional[int] = None
+    decrease: Optional[int] = None
+
+    @property
+    def step_up(self) -> int:
+        return self.increase if self.increase is not None else max(1, math.ceil((self.max - self.min) / 3))
+
+    @property
+    def step_down(self) -> int:
+        return self.decrease if self.decrease is not None else max(1, math.ceil(self.step_up / 4))
+
+
+@dataclass
 class KVCompressionConfig:
     """Per-request KV eviction during decode (prefill is never compressed); docs/kv_compression.md.
 
@@ -137,6 +164,13 @@ class KVCompressionConfig:
     # the policy's own parameters; a dense run's (or another policy's) evaluation under compression takes
     # those its policy has
     params: dict = field(default_factory=dict)
+    # set: the budget follows the measured mismatch within [min, max], starting at ``budget``
+    auto_budget: Optional[AutoBudgetConfig] = None
+
+    @property
+    def largest_budget(self) -> int:
+        """The most a rollout's request may keep: what engines and memory are sized for."""
+        return self.auto_budget.max if self.auto_budget is not None else self.budget
 
     def policy_params(self, policy: Optional[str] = None) -> dict:
         """Every parameter of ``policy`` (default: this section's): its defaults, overridden by those of
@@ -770,7 +804,7 @@ def _validate_eval(cfg: RunConfig, source: str) -> None:
     _require(e.max_new_tokens is None or e.max_new_tokens <= positions - 3, source, "eval.max_new_tokens",
              f"{e.max_new_tokens} does not fit the model's {positions} positions (model.arch.max_position_embeddings): "
              f"SGLang generates at most {positions - 3}, after a one-token prompt")
-    from sparse_rl_mega.evaluation import parse_kv_variants
+    from sparse_rl_mega.evaluation import AUTO, parse_kv_variants
 
     try:
         variants = parse_kv_variants(e.kv, cfg.rollout.kv_compression)
@@ -780,7 +814,7 @@ def _validate_eval(cfg: RunConfig, source: str) -> None:
 
     kv = cfg.rollout.kv_compression
     for label, override in variants:
-        if override and override["policy"] != "none":
+        if override and override is not AUTO and override["policy"] != "none":  # (AUTO: within auto_budget)
             try:
                 kv.build_policy(override["policy"]).check_budget(override["budget"])
             except PolicyError as exc:
@@ -808,9 +842,35 @@ def _validate_kv(cfg: RunConfig, source: str) -> None:
     except PolicyError as exc:
         raise ConfigError(f"{source}: {key}.{exc.key}: {exc}") from None
     _require(kv.interval > 0, source, f"{key}.interval", f"must be > 0, got {kv.interval}")
+    if kv.auto_budget is not None:
+        _validate_auto_budget(kv, source)
     problem = tp_split_problem(EngineKVSettings.from_config(kv), r.engine_tensor_parallel_size, a.num_query_groups)
     _require(problem is None, source, "rollout.engine_tensor_parallel_size",
              f"{r.engine_tensor_parallel_size} exceeds model.arch.num_query_groups={a.num_query_groups}: {problem}")
+
+
+def _validate_auto_budget(kv: KVCompressionConfig, source: str) -> None:
+    from sparse_rl_mega.algo.correction import LOG_RHO_QUANTILES
+    from sparse_rl_mega.kv.policies import PolicyError
+
+    auto, key = kv.auto_budget, "rollout.kv_compression.auto_budget"
+    for bound in ("min", "max"):
+        _require(getattr(auto, bound) is not None, source, f"{key}.{bound}",
+                 "required: the automatic budget stays within [min, max]")
+    try:
+        kv.build_policy().check_budget(auto.min)
+    except PolicyError as exc:
+        raise ConfigError(f"{source}: {key}.min: {exc}") from None
+    _require(auto.min <= auto.max, source, f"{key}.max", f"must be >= min = {auto.min}, got {auto.max}")
+    _require(auto.min <= kv.budget <= auto.max, source, "rollout.kv_compression.budget",
+             f"{kv.budget} is where the automatic budget starts: it must lie in auto_budget [{auto.min}, {auto.max}]")
+    tails = [q for q in LOG_RHO_QUANTILES if q < 50]
+    _require(auto.quantile in tails, source, f"{key}.quantile",
+             f"must be one of the measured lower quantiles of log rho {tails} (percent), got {auto.quantile:g}")
+    _require(0 < auto.min_rho < 1, source, f"{key}.min_rho", f"must be in (0, 1), got {auto.min_rho}")
+    for step in ("increase", "decrease"):
+        value = getattr(auto, step)
+        _require(value is None or value >= 1, source, f"{key}.{step}", f"must be >= 1 token, got {value}")
 
 
 def _has_chat_template(folder: Path) -> bool:

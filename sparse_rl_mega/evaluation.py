@@ -27,13 +27,17 @@ def request_kv(kv, policy: str, budget: int) -> dict:
             "selection": kv.selection, "shared_scores": kv.shared_scores, "params": kv.policy_params(policy)}
 
 
+AUTO = {"budget": "auto"}  # parse_kv_variants: the rollout's automatic budget, resolved when evaluated
+
+
 def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[dict]]]:
     """``"dense,rollout,snapkv:64"`` -> ``[(label, per-request KV override or None), ...]``.
 
     ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget with every
     other field of ``rollout_kv`` (:func:`request_kv`; without ``rollout_kv``, the engine's other
     settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig, names the
-    label; the override is None). A setting named twice ('rollout' and the same explicit setting) is
+    label; the override is None; with an automatic budget the label is ``POLICY:auto`` and the trainer
+    gives each evaluation the budget in force: :data:`AUTO`). A setting named twice ('rollout' and the same explicit setting) is
     evaluated once. Raises ValueError naming the bad item."""
     from sparse_rl_mega.kv.policies import policy_names
 
@@ -47,6 +51,9 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
         elif item == "rollout":
             if rollout_kv is None:
                 raise ValueError("'rollout' names the training rollout's KV setting; there is none here")
+            if rollout_kv.policy != "none" and rollout_kv.auto_budget is not None:
+                out.append((f"{rollout_kv.policy}:auto", AUTO))
+                continue
             label = "dense" if rollout_kv.policy == "none" else f"{rollout_kv.policy}:{rollout_kv.budget}"
             out.append((label, None))
         else:
@@ -68,7 +75,7 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
 def needs_request_override(variants: list[tuple[str, Optional[dict]]]) -> bool:
     """Whether evaluating ``variants`` (:func:`parse_kv_variants`) needs an engine that accepts
     per-request KV settings (any setting other than the rollout's own)."""
-    return any(override is not None for _, override in variants)
+    return any(override is not None and override is not AUTO for _, override in variants)
 
 
 def mean_stderr(values: Sequence[float]) -> float:
@@ -154,20 +161,24 @@ class Evaluator:
         """Whether the engine must accept per-request KV settings (dense or another policy)."""
         return needs_request_override(self.variants)
 
-    def evaluate(self, engine, trained_iterations: int) -> dict[str, float]:
-        """Held-out accuracy of the weights ``engine`` serves; returns ``eval/<setting>/<figure>``
-        metrics and rewrites ``<run_dir>/eval.json`` with every evaluation so far."""
+    def evaluate(self, engine, trained_iterations: int, rollout_budget: Optional[int] = None) -> dict[str, float]:
+        """Held-out accuracy of the weights ``engine`` serves (``rollout_budget``: the automatic budget
+        in force, for the ``POLICY:auto`` setting); returns ``eval/<setting>/<figure>`` metrics and
+        rewrites ``<run_dir>/eval.json`` with every evaluation so far."""
         import json
         from pathlib import Path
 
         e = self.cfg.eval
+        variants = [(label, {"budget": rollout_budget} if override is AUTO else override)
+                    for label, override in self.variants]
         results = evaluate_on_engine(
-            engine, self.prompts, self.labels, self.scorer, self.variants,
+            engine, self.prompts, self.labels, self.scorer, variants,
             n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
             temperature=e.temperature, top_p=e.top_p, seed=e.seed, log=self.log,
             name=f"eval after {trained_iterations} iteration(s)")
         engine.flush_cache()  # the next rollout must not depend on what evaluation left cached
-        self.history.append({"iteration": trained_iterations, "results": results})
+        self.history.append({"iteration": trained_iterations, "results": results,
+                             **({"rollout_budget": rollout_budget} if rollout_budget is not None else {})})
         path = Path(self.cfg.trainer.run_dir) / "eval.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"path": e.path, "n_samples": e.n_samples, "temperature": e.temperature,

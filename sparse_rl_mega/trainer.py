@@ -201,6 +201,9 @@ class Trainer:
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
             self.fleet.push_weights(None, self.start_iteration)
             self.rollouts.load(self.resumed_from["path"])  # the batch ahead (overlapped rollouts)
+            budget_line = self.rollouts.load_budget(self.resumed_from.get("kv_budget"))
+            if budget_line is not None:
+                log(f"[setup] {budget_line}")
             log(f"[setup] engine now serves the weights of iteration {self.start_iteration}")
             self.clock.mark("weights to the engine")
         engine = "" if self.engine_seconds is None else f"; engine up in {self.engine_seconds:.1f} s" + (
@@ -336,6 +339,7 @@ class Trainer:
             sampled = self.sample(iteration, timer)
             local, metrics = self.prepare(sampled, iteration, timer)
             metrics.update(self.optimise(local, iteration, timer))
+            budget_note = self.rollouts.adapt_budget(metrics, metrics.get("kv/budget", 0.0))
             trained = iteration + 1
             if schedule.push(trained, self.fleet.version):
                 metrics.update(self.push(sampled.batch, iteration, timer))
@@ -349,7 +353,7 @@ class Trainer:
             metrics["engine/restarts"] = float(self.fleet.restarts)
             metrics["time/iteration_s"] = time.perf_counter() - started
             if self.rank == 0:
-                self.report(iteration, metrics, timer, sampled.example, saved_line, loop_started)
+                self.report(iteration, metrics, timer, sampled.example, saved_line, loop_started, budget_note)
         self.report_end(loop_started)
 
     def sample(self, iteration: int, timer: PhaseTimer):
@@ -436,6 +440,7 @@ class Trainer:
         with timer.phase("checkpoint"):
             extra = {"mlflow_run_id": self.tracker.run_id if self.tracker is not None else None,
                      "initial_model": cfg.model.path, "config": cfg.to_dict(),
+                     "kv_budget": self.rollouts.budget_state(),  # the automatic budget's, else None
                      "config_digest": config_digest(cfg.to_dict())}
             saved, saved_bytes, digest_seconds = save_checkpoint(
                 self.learner, self.checkpoint_dir(), trained, cfg.checkpoint.keep_last, extra=extra,
@@ -446,12 +451,13 @@ class Trainer:
 
     def evaluate(self, trained: int) -> None:
         """Rank 0: held-out accuracy of the weights the engine serves, logged at step ``trained``."""
-        metrics = self.evaluator.evaluate(self.engine, trained)
+        control = self.rollouts.budget_control if self.rollouts is not None else None
+        metrics = self.evaluator.evaluate(self.engine, trained, control.budget if control is not None else None)
         if self.tracker is not None:
             self.tracker.log_metrics(metrics, step=trained)
 
     def report(self, iteration: int, metrics: dict[str, float], timer: PhaseTimer, example: str,
-               saved_line: Optional[str], loop_started: float) -> None:
+               saved_line: Optional[str], loop_started: float, budget_note: Optional[str] = None) -> None:
         """Rank 0: the iteration's metrics to MLflow, its spans to the timeline, its lines to the console."""
         total = self.cfg.trainer.iterations
         self.tracker.log_metrics(metrics, step=iteration)
@@ -461,6 +467,8 @@ class Trainer:
         log(_progress_line(iteration, total, metrics) + (f" | ETA {duration(eta)}" if left else ""))
         log(f"           example response: {example[:100]!r}" + (
             "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
+        if budget_note is not None:
+            log(f"           {budget_note}")
         if saved_line is not None:
             log(saved_line)
 
@@ -549,7 +557,9 @@ def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
             f"veto {m['correction/veto_fraction']:.3f} rej {m['correction/token_rejected_fraction']:.3f} "
             f"(rho<1 {m['correction/token_rejected_low_fraction']:.3f}) | "
             f"IS mean {m['correction/is_weight_mean']:.3f} max {m['correction/is_weight_max']:.2f} | "
-            f"k3 {m['mismatch/k3']:.4f} | evicted/sample {m['kv/evicted_tokens_per_sample']:.1f} "
+            f"k3 {m['mismatch/k3']:.4f} | "
+            + (f"budget {m['kv/budget']:.0f} " if "kv/budget" in m else "")
+            + f"evicted/sample {m['kv/evicted_tokens_per_sample']:.1f} "
             f"peak KV {m['kv/peak_slots_in_use']:.0f} | sync diff {m.get('sync/max_abs_logprob_diff', float('nan')):.1e} | "
             f"{m['time/iteration_s']:.1f} s"
             + (f" (samples {m['rollout/staleness_mean']:.1f} versions old, learner waited {m['time/learner_wait_s']:.1f} s)"

@@ -141,6 +141,11 @@ def run_launch(config: Path, *overrides: str, timeout: int = 900, env: Optional[
     return run_tool(ROOT / "tools" / "launch.py", config, *overrides, timeout=timeout, env=env)
 
 
+# the test launches' automatic KV budget: from 12, up 6 whenever more than 1 % of the response tokens have
+# rho < 0.9 (the tiny model's 1 % quantile of log rho is -0.8 to -4 at budget 12), else down 2
+AUTO_BUDGET = "{min: 8, max: 20, quantile: 1, min_rho: 0.9, increase: 6, decrease: 2}"
+
+
 def write_test_config(path: Path, model_dir: Path, run_dir: Path, extra: str = "") -> Path:
     path.write_text(f"""
 model:
@@ -153,7 +158,8 @@ rollout:
   max_new_tokens: 24
   max_total_tokens: 2048
   max_running_requests: 16
-  kv_compression: {{policy: rkv, budget: 12, sink: 2, window: 4, interval: 2, params: {{kernel: 3}}}}
+  kv_compression: {{policy: rkv, budget: 12, sink: 2, window: 4, interval: 2, params: {{kernel: 3}},
+                   auto_budget: {AUTO_BUDGET}}}
 data: {{train_path: {TRAIN_DATA}, prompts_per_iteration: 4}}
 trainer: {{iterations: 3, global_batch_size: 8, micro_batch_size: 2, lr: 1.0e-3, weight_decay: 0.0, run_dir: {run_dir}}}
 algorithm: {{kl_coef: 0.01, entropy_coef: 0.001, dual_clip: 3.0, correction: {{preset: sparse_rl}}}}
@@ -217,7 +223,7 @@ def _module(nodeid: str) -> str:
 UNIT_MODULES = ("test_config", "test_context_parallel", "test_correction", "test_cpu_shims", "test_data_math",
                 "test_data_reward", "test_gpu", "test_hf_map", "test_kv_policies", "test_math_reward",
                 "test_scale_config", "test_tracking", "test_preflight", "test_console", "test_checkpoint_files",
-                "test_watchdog", "test_weight_push", "test_sglang_internals")
+                "test_watchdog", "test_weight_push", "test_sglang_internals", "test_auto_budget")
 ENGINE_MODULES = ("test_engine_kv", "test_engine_retraction", "test_evaluate")
 TIERS = ("unit", "engine", "launch")
 

@@ -4,17 +4,20 @@ rollout of the two sparse variants is the same; the uncorrected variant rejects 
 corrected one does; the table is computed from the logged metrics. The dense variant's override is
 checked without a launch (dense rollouts against the learner: tests/test_e2e.py, test_engine_kv.py)."""
 import json
+import re
 from types import SimpleNamespace
 
 import mlflow
 import pytest
 
 from tests.conftest import ROOT, TRAIN_DATA, run_tool, write_test_config
-from tools.ablation import held_out, plan, ratio_with_stderr, variant_overrides
+from sparse_rl_mega.config import load_config
+from tools.ablation import base_variant, held_out, plan, plot_budget_map, ratio_with_stderr, variant_overrides
 
 # one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
 ONE_PROCESS = ["--set", "checkpoint.save_interval=0", "--set", "parallel.nproc_per_node=1",
                "--set", "parallel.pipeline_model_parallel_size=1"]
+FIXED_BUDGET = "rollout.kv_compression.auto_budget=null"  # the test config's budget is automatic (conftest)
 
 
 def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir):
@@ -25,7 +28,7 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
                     "--set", "trainer.lr=fast", "--out", tmp_path / "out", timeout=60)
     assert proc.returncode == 2 and "trainer.lr" in proc.stderr and not (tmp_path / "out").exists()
 
-    args = SimpleNamespace(config=str(config), variants="naive,sparse_rl", iterations=2, overrides=[],
+    args = SimpleNamespace(config=str(config), variants="naive,sparse_rl", iterations=2, overrides=[FIXED_BUDGET],
                            tracking_uri=None, out=tmp_path / "o")
     out, runs, iterations = plan(args)
     assert runs["naive"][-1] == "trainer.iterations=2" and "algorithm.correction.preset=naive" in runs["naive"]
@@ -36,6 +39,40 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     args.config, args.variants = str(evaluated), "naive,dense"
     _, runs, _ = plan(args)
     assert all(overrides[0] == "eval.kv=dense,rkv:12" for overrides in runs.values())
+
+    # the budget map: each sparse variant per budget, dense once (evaluated under every budget's
+    # compression), the automatic budget within the sweep's bounds, from the config's budget
+    args.variants, args.overrides, args.budgets, args.auto = "naive,sparse_rl,dense", [], "16,12", "sparse_rl"
+    _, runs, _ = plan(args)
+    assert list(runs) == ["naive_b12", "naive_b16", "sparse_rl_b12", "sparse_rl_b16", "sparse_rl_auto", "dense"]
+    assert runs["naive_b16"][0] == "eval.kv=dense,rkv:16" and "rollout.kv_compression.budget=16" in runs["naive_b16"]
+    assert runs["dense"][0] == "eval.kv=dense,rkv:12,rkv:16"
+    assert runs["sparse_rl_auto"][0] == "eval.kv=dense,rollout"  # (the budget in force: 'rkv:auto')
+    fixed = load_config(evaluated, runs["sparse_rl_b16"]).rollout.kv_compression
+    assert (fixed.budget, fixed.auto_budget) == (16, None)
+    auto = load_config(evaluated, runs["sparse_rl_auto"]).rollout.kv_compression
+    assert (auto.budget, auto.auto_budget.min, auto.auto_budget.max) == (12, 12, 16)
+    for budgets, auto_variants, message in [("16,12", "dense", "--auto 'dense'"), (None, "sparse_rl", "--auto needs"),
+                                            ("12,x", None, "--budgets '12,x'"), ("12", "sparse_rl", "--auto needs")]:
+        args.budgets, args.auto = budgets, auto_variants
+        with pytest.raises(ValueError, match=re.escape(message)):
+            plan(args)
+
+
+@pytest.mark.unit
+def test_budget_map_figure(tmp_path):
+    """The map draws a curve per variant through its budgets and the automatic run as a point, from the
+    summary's rows; nothing without held-out ratios."""
+    rows = [{"variant": name, "peak_kv_fraction": peak, "budget_mean": budget}
+            for name, peak, budget in [("naive_b32", 0.5, 32), ("naive_b56", 0.8, 56), ("sparse_rl_b32", 0.5, 32),
+                                       ("sparse_rl_b56", 0.8, 56), ("sparse_rl_auto", 0.6, 40.5), ("dense", 1.0, float("nan"))]]
+    accuracy = [{"variant": r["variant"], "setting": "dense", "after": 0.5, "after_stderr": 0.03,
+                 "ratio_to_dense": 0.8, "ratio_stderr": 0.03} for r in rows if r["variant"] != "dense"]
+    accuracy += [{"variant": r["variant"], "setting": "rkv:x", "after": 0.4, "after_stderr": 0.03} for r in rows]
+    assert [base_variant(r["variant"]) for r in rows] == ["naive", "naive", "sparse_rl", "sparse_rl", "sparse_rl", "dense"]
+    assert base_variant("sparse_rl_bx") == "sparse_rl_bx"
+    assert plot_budget_map(rows, accuracy, tmp_path / "map.png") and (tmp_path / "map.png").stat().st_size > 5000
+    assert not plot_budget_map(rows, [], tmp_path / "none.png") and not (tmp_path / "none.png").exists()
 
 
 @pytest.mark.unit
@@ -88,7 +125,8 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
                                f"eval: {{path: {TRAIN_DATA}, limit: 4, n_samples: 1, temperature: 0.0, kv: dense}}")
     out = tmp_path / "ablation"
     proc = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                    "--iterations", "1", "--out", out, *ONE_PROCESS, "--set", "eval.before_training=false", timeout=600)
+                    "--iterations", "1", "--out", out, *ONE_PROCESS, "--set", "eval.before_training=false",
+                    "--set", FIXED_BUDGET, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert (out / "ablation.png").stat().st_size > 5000
     result = json.loads((out / "ablation.json").read_text())
@@ -124,7 +162,7 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
 
     # the same command again: both variants finished, nothing is launched, the summary is rewritten
     again = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl",
-                     "--iterations", "1", "--out", out, *ONE_PROCESS, timeout=120)
+                     "--iterations", "1", "--out", out, *ONE_PROCESS, "--set", FIXED_BUDGET, timeout=120)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count("finished in") == 2 and "tools/launch.py" not in again.stdout
     assert json.loads((out / "ablation.json").read_text())["rows"] == result["rows"]

@@ -86,6 +86,30 @@ def test_eviction_was_active_during_rollouts(e2e_run):
     assert all(v > 0 for v in evicted)
 
 
+def test_automatic_budget_follows_the_mismatch_and_the_engine_keeps_it(e2e_run):
+    """The test config's automatic budget (conftest.AUTO_BUDGET: from 12 in [8, 20], +6 when the 1 %
+    quantile of log rho is below log 0.9, else -2): each iteration's logged budget follows the law from
+    the one before and the mismatch it measured; the engine's largest request (its own measure) is what
+    replaying every sample's lengths at that budget gives, within budget + interval + 1."""
+    import math
+
+    client, run, proc = _run(e2e_run)
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    budgets, p1 = history("kv/budget"), history("mismatch/log_rho_p1")
+    assert budgets[0] == 12 and len(budgets) == 3
+    for before, measured, after in zip(budgets, p1, budgets[1:]):
+        expected = min(20, before + 6) if measured < math.log(0.9) else max(8, before - 2)
+        assert after == expected, (budgets, p1)
+    engine_peak, replayed = history("kv/peak_request_tokens"), history("kv/peak_tokens_per_sample_max")
+    assert engine_peak == replayed, (engine_peak, replayed, budgets)
+    assert all(budget < peak <= budget + 2 + 1 for budget, peak in zip(budgets, engine_peak)), (engine_peak, budgets)
+    assert f"budget {budgets[-1]:.0f} evicted/sample" in proc.stdout  # the progress line
+    assert "automatic budget in [8, 20] tokens from 12" in proc.stdout  # the plan at launch
+
+
 def test_weight_sync_makes_engine_equal_learner(e2e_run):
     """Before the sync the engine serves the old weights (the optimizer moved the learner); after it,
     the engine's dense logprobs equal the Megatron learner's (PP=2 shards resharded to HF names)."""
@@ -121,7 +145,7 @@ def test_held_out_evaluation_matches_transformers_greedy(e2e_run, tiny_model_dir
     history = json.loads((run_dir / "eval.json").read_text())["history"]
     assert [h["iteration"] for h in history] == [0, 2, 3]  # before, eval.interval 2, after the last
     for h in history:
-        assert set(h["results"]) == {"dense", "rkv:12"}
+        assert set(h["results"]) == {"dense", "rkv:auto"}  # the rollout's compression at the budget in force
         assert h["results"]["dense"]["problems"] == E2E_EVAL_ROWS
         assert h["results"]["dense"]["evicted_tokens_per_sample"] == 0
     dense = client.get_metric_history(run.info.run_id, "eval/dense/mean_at_k")

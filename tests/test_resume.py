@@ -28,7 +28,8 @@ from float_bounds import U32, forward_depth, gamma  # noqa: E402
 # normalised advantages times clipped ratios, log-ratios of one token)
 RESHARD_BOUND = gamma(2 * forward_depth(4, 64, 128, 16, 33, 384) + 16 * 33, U32)
 
-COMPARED = ["sync/max_abs_logprob_diff", "rollout/weight_version", "reward/mean", "rollout/response_len_mean", "kv/evicted_tokens", "mismatch/k3",
+COMPARED = ["sync/max_abs_logprob_diff", "rollout/weight_version", "reward/mean", "rollout/response_len_mean", "kv/evicted_tokens",
+            "kv/budget", "kv/peak_request_tokens", "mismatch/k3",
             "correction/token_rejected_fraction", "correction/is_weight_mean", "train/loss", "train/entropy",
             "train/grad_norm", "train/kl_ref"]
 

@@ -3,6 +3,7 @@
 
     python tools/ablation.py examples/cpu_smollm2.yaml                       # naive, sparse_rl, dense
     python tools/ablation.py examples/cpu_tiny.yaml --variants naive,sparse_rl,tis --iterations 5
+    python tools/ablation.py examples/cpu_smollm2_tight_kv.yaml --budgets 32,44,56 --auto sparse_rl   # budget map
 
 Variants (same seed, data, prompts order and sampling seeds; only what the variant names changes):
 
@@ -15,6 +16,13 @@ When the config evaluates (``eval.path``), every variant is evaluated under dens
 the rollout's own compression (``eval.kv`` = ``dense,POLICY:BUDGET`` of CONFIG's ``kv_compression``,
 the dense variant included: its compressed evaluation uses every other field of that section), and
 the summary gives each its ratio to the dense-trained model and the drop from dense to sparse decoding.
+
+``--budgets B1,B2,...`` sweeps the KV budget: every sparse variant runs once per budget (``naive_b32``, ...;
+the dense variant once, evaluated under each budget's compression) and ``--auto V1,...`` runs those
+variants once more with the automatic budget within the sweep's bounds (``sparse_rl_auto``; it starts at
+CONFIG's budget clamped to them; every auto_budget field may be --set). The tool then also draws
+``OUT/budget_map.png``: held-out accuracy as a fraction of the dense variant's against the rollouts' mean
+peak KV per sample as a fraction of dense, a curve per variant, the automatic runs as points.
 
 Each variant is one ``tools/launch.py`` run into ``OUT/<variant>`` (on a CPU node a fork of this process,
 which imported the launcher's modules once: sparse_rl_mega/launches.py); all log to one MLflow store
@@ -35,6 +43,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -54,7 +63,9 @@ PANELS = [("training reward", [("reward/mean", "")]),
            [("mismatch/log_rho_p1", " p1"), ("mismatch/log_rho_p5", " p5"), ("mismatch/log_rho_p50", " p50")]),
           ("largest importance weight (their mean is 1)", [("correction/is_weight_max", "")]),
           ("evicted tokens per sample", [("kv/evicted_tokens_per_sample", "")])]
-CURVES = [key for _, lines in PANELS for key, _ in lines]
+PANELS.append(("KV budget (the automatic budget's, or the fixed one)", [("kv/budget", "")]))
+CURVES = [key for _, lines in PANELS for key, _ in lines] + ["kv/peak_fraction_of_dense"]
+AUTO_KEY = "rollout.kv_compression.auto_budget"
 
 
 def variant_overrides(name: str) -> list[str]:
@@ -78,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="config override for every variant (repeatable)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out)")
     p.add_argument("--rerun", action="store_true", help="run variants again even if they finished in --out")
+    p.add_argument("--budgets", default=None, metavar="B1,B2,...",
+                   help="run every sparse variant once per KV budget (the budget map); dense runs once")
+    p.add_argument("--auto", default=None, metavar="V1,...",
+                   help="with --budgets: also run these variants with the automatic budget within the sweep's bounds")
     return p.parse_args(argv)
 
 
@@ -94,22 +109,64 @@ def plan(args) -> tuple[Path, dict[str, list[str]], dict[str, int]]:
     runs, iterations = {}, {}
     base = load_config(args.config, args.overrides)  # raises ConfigError naming the key
     kv = base.rollout.kv_compression
-    evaluated = []  # every variant dense and under the rollout's compression (the user's --set wins)
-    if base.eval.path is not None and kv.policy != "none":
-        evaluated = [f"eval.kv=dense,{kv.policy}:{kv.budget}"]
-    for name in names:
-        overrides = [*evaluated, *args.overrides, *variant_overrides(name), f"trainer.run_dir={out / name}",
+    for name, variant, overrides in expand_variants(args, names, kv, base.eval.path is not None):
+        overrides = [*filter(None, overrides[:1]), *args.overrides, *variant_overrides(variant), *overrides[1:],
+                     f"trainer.run_dir={out / name}",
                      f"tracking.tracking_uri={tracking}", f"tracking.experiment={EXPERIMENT}",
                      f"tracking.run_name={name}", "tracking.enabled=true"]
         if args.iterations is not None:
             overrides.append(f"trainer.iterations={args.iterations}")
         cfg = load_config(args.config, overrides)  # raises ConfigError naming the key
-        if name != "dense" and cfg.rollout.kv_compression.policy == "none":
+        if variant != "dense" and cfg.rollout.kv_compression.policy == "none":
             raise ValueError(f"variant {name}: {args.config} has no KV compression "
                              "(rollout.kv_compression.policy: none), so it would equal 'dense'")
         runs[name] = overrides
         iterations[name] = cfg.trainer.iterations
     return out, runs, iterations
+
+
+def parse_budgets(spec: Optional[str]) -> list[int]:
+    budgets = [b.strip() for b in (spec or "").split(",") if b.strip()]
+    if spec is not None and (not budgets or not all(b.isdigit() and int(b) > 0 for b in budgets)
+                             or len(set(budgets)) != len(budgets)):
+        raise ValueError(f"--budgets {spec!r}: expected distinct positive integers, e.g. 32,44,56")
+    return sorted(int(b) for b in budgets)
+
+
+def expand_variants(args, names: list[str], kv, evaluates: bool) -> list[tuple[str, str, list[str]]]:
+    """``(run name, variant, overrides)`` of every run: the variants as given, or with ``--budgets``
+    each sparse variant once per budget and ``--auto`` ones once more with the automatic budget. The
+    first override is the evaluation's KV settings ("" when the config does not evaluate), which the
+    user's --set may replace; the others come after the user's."""
+    budgets = parse_budgets(getattr(args, "budgets", None))
+    auto = [n.strip() for n in (getattr(args, "auto", None) or "").split(",") if n.strip()]
+    if auto and len(budgets) < 2:
+        raise ValueError("--auto needs --budgets with at least two budgets: its bounds are their min and max")
+    if set(auto) - set(names) or "dense" in auto:
+        raise ValueError(f"--auto {args.auto!r}: name sparse variants of --variants ({args.variants})")
+    if kv.policy == "none" and budgets:
+        raise ValueError(f"--budgets: {args.config} has no KV compression (rollout.kv_compression.policy: none)")
+
+    def evaluation(*settings: str) -> list[str]:
+        return [f"eval.kv={','.join(('dense',) + settings)}" if evaluates and kv.policy != "none" else ""]
+    if not budgets:
+        return [(name, name, [*evaluation(f"{kv.policy}:{kv.budget}"), f"{AUTO_KEY}=null"]
+                 if kv.auto_budget is None or name == "dense" else evaluation("rollout"))
+                for name in names]
+    fixed = [f"{AUTO_KEY}=null"]
+    out = []
+    for name in names:
+        if name == "dense":  # once, evaluated under every budget's compression (the ratios' denominators)
+            out.append((name, name, [*evaluation(*[f"{kv.policy}:{b}" for b in budgets]), *fixed]))
+            continue
+        for b in budgets:
+            out.append((f"{name}_b{b}", name, [*evaluation(f"{kv.policy}:{b}"), *fixed,
+                                               f"rollout.kv_compression.budget={b}"]))
+        if name in auto:
+            low, high = budgets[0], budgets[-1]
+            out.append((f"{name}_auto", name, [*evaluation("rollout"), f"{AUTO_KEY}.min={low}", f"{AUTO_KEY}.max={high}",
+                                               f"rollout.kv_compression.budget={min(high, max(low, kv.budget))}"]))
+    return out
 
 
 def latest_run(client, name: str):
@@ -241,7 +298,12 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
                "k3_mean": _mean(d["curves"]["mismatch/k3"].values()),
                "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values()),
                "token_rejected_low_mean": _mean(d["curves"]["correction/token_rejected_low_fraction"].values()),
-               "is_weight_max_mean": _mean(d["curves"]["correction/is_weight_max"].values())}
+               "is_weight_max_mean": _mean(d["curves"]["correction/is_weight_max"].values()),
+               # the rollouts' KV: the budget (its mean over iterations when automatic) and each sample's
+               # peak KV as a fraction of its dense KV (1 for dense rollouts)
+               "budget_mean": _mean(d["curves"]["kv/budget"].values()),
+               "peak_kv_fraction": _mean(d["curves"]["kv/peak_fraction_of_dense"].values())
+               if name != "dense" else 1.0}
         rows.append(row)
     accuracy = held_out(data)
     table = _table(rows) + ("\n\nHeld-out mean@k after the last iteration, +- s.e. over problems (ratios and "
@@ -295,6 +357,61 @@ def plot(data: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def base_variant(name: str) -> str:
+    """``sparse_rl_b32`` / ``sparse_rl_auto`` -> ``sparse_rl``."""
+    head, _, tail = name.rpartition("_")
+    return head if head and (tail == "auto" or (tail.startswith("b") and tail[1:].isdigit())) else name
+
+
+def plot_budget_map(rows: list[dict], accuracy: list[dict], path: Path) -> bool:
+    """The budget map: held-out accuracy against the rollouts' peak KV / dense, a curve per variant
+    through its budgets and the automatic runs as points; left under dense decoding as a fraction of the
+    dense variant's (paired s.e.), right under the run's own compression. False without the figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    after = {(r["variant"], r["setting"]): r for r in accuracy}
+    points: dict[str, list] = {}
+    for row in rows:
+        name = row["variant"]
+        dense = after.get((name, "dense"))
+        own = [r for (v, setting), r in after.items() if v == name and setting != "dense"]
+        if name == "dense" or dense is None or "ratio_to_dense" not in dense or row["peak_kv_fraction"] != row["peak_kv_fraction"]:
+            continue
+        points.setdefault(base_variant(name), []).append((row["peak_kv_fraction"], dense, own[0] if own else None,
+                                                          name.endswith("_auto"), row["budget_mean"]))
+    if not points:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for k, (variant, entries) in enumerate(sorted(points.items())):
+        for auto in (False, True):
+            chosen = sorted(e for e in entries if e[3] == auto)
+            if not chosen:
+                continue
+            style = dict(marker="*", markersize=12, linestyle="none") if auto else dict(marker="o", linestyle="-")
+            label = f"{variant} ({'automatic budget' if auto else 'fixed budgets'})"
+            left.errorbar([e[0] for e in chosen], [e[1]["ratio_to_dense"] for e in chosen],
+                          yerr=[e[1]["ratio_stderr"] for e in chosen], color=f"C{k}", capsize=2, label=label, **style)
+            own = [e for e in chosen if e[2] is not None]
+            right.errorbar([e[0] for e in own], [e[2]["after"] for e in own], yerr=[e[2]["after_stderr"] for e in own],
+                           color=f"C{k}", capsize=2, label=label, **style)
+            for e in chosen:
+                left.annotate(f"{e[4]:.0f}", (e[0], e[1]["ratio_to_dense"]), fontsize=7, xytext=(3, 3),
+                              textcoords="offset points")
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set_title("held-out accuracy, dense decoding / dense-trained's (+- paired s.e.)", fontsize=9)
+    right.set_title("held-out accuracy under the run's own compression (+- s.e.)", fontsize=9)
+    for ax in (left, right):
+        ax.set_xlabel("rollouts' mean peak KV per sample / dense (labels: mean budget)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     from sparse_rl_mega.quiet import quiet_known_warnings
 
@@ -342,6 +459,9 @@ def main(argv=None) -> int:
     (out / "ablation.json").write_text(json.dumps({"config": str(args.config), "overrides": args.overrides,
                                                    "rows": rows, "held_out": accuracy, "variants": data}, indent=2))
     plot(data, out / "ablation.png")
+    outputs = ["ablation.md", "ablation.json", "ablation.png"]
+    if args.budgets and plot_budget_map(rows, accuracy, out / "budget_map.png"):
+        outputs.append("budget_map.png")
 
     mlflow.set_experiment(EXPERIMENT)
     with mlflow.start_run(run_name="summary"):
@@ -354,10 +474,10 @@ def main(argv=None) -> int:
             for key, value in row.items():
                 if isinstance(value, float):
                     mlflow.log_metric(f"{row['variant']}/eval_{metric_name(row['setting'])}/{key}", value)
-        for name in ("ablation.md", "ablation.json", "ablation.png"):
+        for name in outputs:
             mlflow.log_artifact(str(out / name))
     print(table)
-    print(f"[ablation] results in {out} (ablation.md, ablation.png, ablation.json; MLflow {tracking})")
+    print(f"[ablation] results in {out} ({', '.join(outputs)}; MLflow {tracking})")
     if failed:
         print(f"[ablation] failed variant(s): {', '.join(failed)}", file=sys.stderr)
         return 1

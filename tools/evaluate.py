@@ -188,7 +188,7 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
     ``derived`` fields, which follow its budget: :func:`budget_defaults`), checked as the engine will
     check it. Raises UsageError naming the bad setting."""
     from sglang_patches.settings import EngineKVSettings
-    from sparse_rl_mega.evaluation import parse_kv_variants
+    from sparse_rl_mega.evaluation import AUTO, parse_kv_variants
     from sparse_rl_mega.rollout.engine import check_request_kv
 
     base = base or default_kv()
@@ -198,6 +198,10 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
         raise UsageError(f"--kv: {exc}") from None
     engine = EngineKVSettings.from_config(base)
     for label, override in variants:
+        if override is AUTO:
+            raise UsageError(f"--kv rollout: the config's budget is automatic (rollout.kv_compression.auto_budget "
+                             f"[{base.auto_budget.min}, {base.auto_budget.max}]): name one, e.g. "
+                             f"{base.policy}:{base.auto_budget.max}")
         if override is not None and "budget" in override:
             override.update({f: v for f, v in budget_defaults(override["budget"]).items() if f in derived})
         try:

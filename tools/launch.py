@@ -97,8 +97,12 @@ def describe_layout(cfg: RunConfig) -> str:
     unused = sorted(set(kv.params) - set(params))  # (other policies' parameters, for --set policy=...)
     params_text = "".join([f"; params {', '.join(f'{k} {v}' for k, v in params.items())}" if params else "",
                            f" ({', '.join(unused)} not taken by {kv.policy})" if unused else ""])
+    auto = kv.auto_budget
+    budget = f"budget {kv.budget} tokens" if auto is None else (
+        f"automatic budget in [{auto.min}, {auto.max}] tokens from {kv.budget} (p{auto.quantile:g} of rho >= "
+        f"{auto.min_rho:g}; +{auto.step_up} on a violation, -{auto.step_down} otherwise; engines sized for {auto.max})")
     kv_line = ("dense (no KV compression)" if kv.policy == "none" else
-               f"{kv.policy}: budget {kv.budget} tokens (sink {kv.sink}, recent window {kv.window}{selection}), "
+               f"{kv.policy}: {budget} (sink {kv.sink}, recent window {kv.window}{selection}), "
                f"compress every {kv.interval} decode tokens past the budget{params_text}{graphs}")
     precision = m.dtype + (f", FP8 {m.fp8} ({m.fp8_recipe} scaling)" if m.fp8 else "")
     vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size

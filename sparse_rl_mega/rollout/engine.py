@@ -338,13 +338,12 @@ class RolloutEngine:
         All samples of a prompt are sent in one call so the group's shared prompt is prefilled once
         and then served from the radix cache. ``kv_override`` (e.g. ``{"policy": "rkv", "budget": 64}``
         or ``{"policy": "none"}``) replaces the engine's KV settings for these requests; the engine must
-        have been started with ``allow_request_override``. Sample ``s`` of prompt ``i`` is sampled with
+        have been started with ``allow_request_override``, unless the override is only a budget no larger
+        than the engine's (``{"budget": 48}``: the automatic budget). Sample ``s`` of prompt ``i`` is sampled with
         seed ``seed + (prompt_offset + i) * n_samples + s``: an engine given a shard of an iteration's
         prompts (``prompt_offset`` = the shard's first prompt) draws what one engine given them all would."""
         custom = None
         if kv_override is not None:
-            if not self.kv.allow_request_override:
-                raise ValueError("this engine was started without allow_request_override")
             check_request_kv(self.kv, kv_override)  # raises here, not in the scheduler
             custom = {REQUEST_KEY: dict(kv_override)}
         input_ids, params = [], []

@@ -23,6 +23,11 @@ resumed run trains on exactly the samples the uninterrupted run trains on. An en
 while generating is restarted with the learner's current weights and samples its shard again (that
 shard's samples then have staleness 0; see rollout/fleet.py).
 
+With an automatic KV budget (``rollout.kv_compression.auto_budget``, kv/auto_budget.py) each batch is
+sampled at the budget in force when it starts (the batch ahead: the one chosen before it started), the
+same on every engine and again when a failed engine samples its shard anew; the budget is then set from
+the mismatch of the iteration that trained on it (:meth:`RolloutPipeline.adapt_budget`).
+
 Every method is a collective (all ranks call it) unless it says otherwise.
 """
 from __future__ import annotations
@@ -49,6 +54,7 @@ class InFlight:
     labels: list[str]        # the shard's labels (rewards)
     pending: PendingGeneration
     kv_before: dict          # the engine's KV counters before it started
+    budget: Optional[int]    # the KV budget its requests keep (None: the engine's own)
     idle_s: float            # how long the engine sat idle before it started (0 for its first batch)
 
 
@@ -81,6 +87,10 @@ class RolloutPipeline:
         self.ahead: Optional[SampledBatch] = None  # that batch, once collected (or loaded from a checkpoint)
         self.engine_finished_at: Optional[float] = None  # host: when its engine finished its last batch
         self.generated: list[tuple[int, int, float, float]] = []  # (iteration, engine, start, end) since drained
+        from sparse_rl_mega.kv.auto_budget import BudgetController
+
+        self.budget_control = BudgetController.from_config(cfg.rollout.kv_compression)  # None: a fixed budget
+        self.batch_budgets: dict[int, int] = {}  # iteration -> the budget its batch was started with
         if self.max_staleness and fleet.release_memory:
             log(f"[setup] rollout.max_staleness={self.max_staleness} with colocated engines on GPUs: they hand their "
                 f"memory to the learner while it trains, so the next batch is generated before training (samples "
@@ -96,6 +106,7 @@ class RolloutPipeline:
                 self.ahead = self.sample(iteration, iteration, timer)
             sampled = self.ahead if self.ahead is not None and self.ahead.iteration == iteration else None
             self.ahead, self.ahead_iteration = None, None
+            self.batch_budgets = {i: b for i, b in self.batch_budgets.items() if i > iteration}
             dropped = 0
             if sampled is not None:
                 oldest = iteration - int(sampled.batch.weight_versions.min())
@@ -143,6 +154,37 @@ class RolloutPipeline:
         out, self.generated = self.generated, []
         return out
 
+    # ------------------------------------------------------------------ the automatic budget
+    def adapt_budget(self, metrics: dict[str, float], sampled_at: float) -> Optional[str]:
+        """Set the budget of the batches started from now on from an iteration's merged ``metrics``
+        (its batch was sampled at budget ``sampled_at``); rank 0's decision is every rank's. Returns
+        the console's note when the budget changed (None without an automatic budget)."""
+        if self.budget_control is None:
+            return None
+        before = self.budget_control.budget
+        step = self.budget_control.update(metrics, int(sampled_at))
+        decided = [step.budget]
+        dist.broadcast_object_list(decided, src=0)  # (the same integers everywhere; one source regardless)
+        self.budget_control.budget = decided[0]
+        if decided[0] == before:
+            return None
+        why = (f"p{self.budget_control.quantile:g} of log rho {step.log_rho_quantile:.3f} < "
+               f"log {self.budget_control.min_rho:g}" if step.violated else "within the target")
+        return f"next KV budget {decided[0]} (was {before}: {why})"
+
+    def budget_state(self) -> Optional[dict]:
+        """What a checkpoint keeps of the automatic budget (None without one)."""
+        return self.budget_control.state() if self.budget_control is not None else None
+
+    def load_budget(self, state: Optional[dict]) -> Optional[str]:
+        """Continue the automatic budget saved in a checkpoint; returns the console's line about it."""
+        if self.budget_control is None or state is None:
+            return None
+        saved = self.budget_control.load_state(state)
+        clamped = "" if saved == self.budget_control.budget else \
+            f" (saved {saved}, clamped to auto_budget [{self.budget_control.low}, {self.budget_control.high}])"
+        return f"KV budget {self.budget_control.budget} continues from the checkpoint{clamped}"
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: Path) -> None:
         """Rank 0: the collected batch ahead into checkpoint ``folder`` (nothing without one)."""
@@ -186,6 +228,7 @@ class RolloutPipeline:
         batch = pack_samples(samples, rewards, pad_id=shards[0]["pad_id"])
         per_sample = [c for s in shards for c in s["compression"]]
         response_lens = [len(x.response_ids) for x in samples]
+        dense_tokens = [len(x.prompt_ids) + max(len(x.response_ids) - 1, 0) for x in samples]
         evicted = sum(s["kv"]["evicted_tokens"] for s in shards)
         scored = ScorerStats()
         for s in shards:
@@ -200,12 +243,20 @@ class RolloutPipeline:
             "rollout/truncated_fraction": sum(x.finish_reason == "length" for x in samples) / len(samples),
             "kv/evicted_tokens": evicted,
             "kv/evicted_tokens_per_sample": evicted / len(samples),
-            "kv/evicted_tokens_per_sample_max": float(max(e for _, e in per_sample)),
-            "kv/compressions_per_sample": sum(c for c, _ in per_sample) / len(samples),
+            "kv/evicted_tokens_per_sample_max": float(max(r.evicted_tokens for r in per_sample)),
+            "kv/compressions_per_sample": sum(r.compressions for r in per_sample) / len(samples),
+            # the KV each sample needed at its largest, and as a fraction of its dense KV (prompt + response)
+            "kv/peak_tokens_per_sample": sum(r.peak_tokens for r in per_sample) / len(samples),
+            "kv/peak_tokens_per_sample_max": float(max(r.peak_tokens for r in per_sample)),
+            "kv/peak_fraction_of_dense": sum(r.peak_tokens for r in per_sample) / max(sum(dense_tokens), 1),
             "kv/compactions": sum(s["kv"]["compactions"] for s in shards),
             "kv/freed_slots": sum(s["kv"]["freed_slots"] for s in shards),
             "kv/peak_slots_in_use": max(s["peak_slots_in_use"] for s in shards),  # per engine
             "kv/pool_size": float(shards[0]["pool_size"]),
+            **({"kv/budget": float(shards[0]["budget"]),  # the budget the batch was sampled at
+                # the most KV one request held in a decode step, as the engines measured it
+                "kv/peak_request_tokens": max(s["peak_request_tokens"] for s in shards)}
+               if shards[0]["budget"] is not None else {}),
             "time/generate_s": max(end - start for _, start, end in generated),  # the slowest engine's
             "time/engine_idle_s": max(s["idle_s"] for s in shards),  # before it started this batch
         }
@@ -223,11 +274,18 @@ class RolloutPipeline:
         shard = prompt_shard(len(records), len(self.fleet.placements), self.fleet.placement.index)
         prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
         kv_before = engine.kv_stats()
+        budget, override = None, None
+        if r.kv_compression.policy != "none":
+            budget = r.kv_compression.budget
+            if self.budget_control is not None:  # the same for a shard sampled again after a failure
+                budget = self.batch_budgets.setdefault(iteration, self.budget_control.budget)
+                override = {"budget": budget}
         # the seeds of one engine given every prompt: the same samples for any number of engines
         pending = engine.start_generate(prompts_ids, r.n_samples_per_prompt, r.max_new_tokens, r.temperature, r.top_p,
-                                        seed=cfg.trainer.seed * 100_003 + iteration * 7919, prompt_offset=shard.start)
+                                        seed=cfg.trainer.seed * 100_003 + iteration * 7919, kv_override=override,
+                                        prompt_offset=shard.start)
         idle = pending.started_at - self.engine_finished_at if self.engine_finished_at is not None else 0.0
-        return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, idle)
+        return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, budget, idle)
 
     def _finish_shard(self, shard: InFlight, timer) -> dict:
         """Host: wait for ``shard``'s samples and score them."""
@@ -248,7 +306,9 @@ class RolloutPipeline:
         return {
             "first_prompt": shard.prompts.start, "samples": samples, "rewards": rewards,
             "scorer": self.scorer.last_stats, "pad_id": self.tokenizer.pad_token_id or 0,
-            "compression": self._per_sample_compression(engine, samples),
+            "compression": self._per_sample_compression(engine, samples, shard.budget),
+            "budget": shard.budget,
+            "peak_request_tokens": float(kv_after.get("peak_request_tokens", 0)),
             "kv": {key: float(kv_after.get(key, 0) - shard.kv_before.get(key, 0))
                    for key in ("evicted_tokens", "compactions", "freed_slots")},
             "peak_slots_in_use": float(kv_after.get("peak_slots_in_use", 0)),
@@ -257,14 +317,16 @@ class RolloutPipeline:
             "idle_s": shard.idle_s,
         }
 
-    def _per_sample_compression(self, engine: RolloutEngine, samples) -> list[tuple[int, int]]:
-        """``(compressions, evicted tokens)`` of each sample, replayed from its lengths."""
-        from sparse_rl_mega.kv.policies import compression_schedule, policy_class
+    def _per_sample_compression(self, engine: RolloutEngine, samples, budget: Optional[int]):
+        """What compression did to each sample (kv/policies.py CompressionReplay), replayed from its
+        lengths at ``budget`` (None: dense)."""
+        from sparse_rl_mega.kv.policies import policy_class, replay_compression
 
         kv = self.cfg.rollout.kv_compression
-        if kv.policy == "none":
-            return [(0, 0)] * len(samples)
-        needed = kv.window if policy_class(kv.policy).records_queries() else 0
+        if budget is None:  # dense: nothing evicted, every sample's KV whole
+            budget, interval, needed = 1 << 62, 1, 0
+        else:
+            interval, needed = kv.interval, (kv.window if policy_class(kv.policy).records_queries() else 0)
         newlines = set(engine.kv.newline_token_ids)
-        return [compression_schedule(len(s.prompt_ids), len(s.response_ids), kv.budget, kv.interval, needed,
-                                     [t in newlines for t in s.response_ids]) for s in samples]
+        return [replay_compression(len(s.prompt_ids), len(s.response_ids), budget, interval, needed,
+                                   [t in newlines for t in s.response_ids]) for s in samples]

@@ -228,6 +228,8 @@ class Compressor:
         plan = request.plan
         if plan is None:
             override = request.custom_params.get(REQUEST_KEY)
+            if override and self.settings.refusal(override):  # (the trainer checks before it sends)
+                override = None
             settings = self.settings.updated(override) if override else self.settings
             plan = request.plan = (settings, self.policy_for(settings) if settings.enabled else None)
         return plan

@@ -36,15 +36,18 @@ class EngineKVSettings:
     # transient memory for scoring the requests that reach the trigger at the same step (scored in chunks)
     scoring_workspace_bytes: int = 256 << 20
 
+    def refusal(self, override: dict) -> Optional[str]:
+        """Why this engine does not take a request's ``override`` (None: it does). Any override when
+        the engine allows them; else only a budget no larger than the engine's (the automatic budget),
+        which needs no more memory and records nothing more than the engine was started for."""
+        if self.allow_request_override:
+            return None
+        if set(override) == {"budget"} and isinstance(override["budget"], int) and 0 < override["budget"] <= self.budget:
+            return None
+        return (f"this engine was started without allow_request_override: a request may only lower its budget "
+                f"(at most {self.budget}), got {override}")
+
     def updated(self, override: dict) -> "EngineKVSettings":
-        """These settings with a request's ``override``: any field when the engine allows overrides;
-        else only a budget no larger than the engine's (an automatic budget), which needs no more memory
-        and records nothing more than the engine was started for."""
-        if not self.allow_request_override:
-            if set(override) != {"budget"} or not 0 < override["budget"] <= self.budget:
-                raise ValueError(f"this engine was started without allow_request_override: a request may only "
-                                 f"lower its budget (at most {self.budget}), got {override}")
-            return EngineKVSettings(**{**self.to_dict(), "budget": int(override["budget"])})
         unknown = set(override) - {f for f in self.to_dict() if f not in ("allow_request_override", "compressed_admission")}
         if unknown:
             raise ValueError(f"unknown KV settings in a request: {sorted(unknown)}")

@@ -41,7 +41,7 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     assert all(overrides[0] == "eval.kv=dense,rkv:12" for overrides in runs.values())
 
     # the budget map: each sparse variant per budget, dense once (evaluated under every budget's
-    # compression), the automatic budget within the sweep's bounds, from the config's budget
+    # compression), the automatic budget within the sweep's bounds, from the largest
     args.variants, args.overrides, args.budgets, args.auto = "naive,sparse_rl,dense", [], "16,12", "sparse_rl"
     _, runs, _ = plan(args)
     assert list(runs) == ["naive_b12", "naive_b16", "sparse_rl_b12", "sparse_rl_b16", "sparse_rl_auto", "dense"]
@@ -51,7 +51,7 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     fixed = load_config(evaluated, runs["sparse_rl_b16"]).rollout.kv_compression
     assert (fixed.budget, fixed.auto_budget) == (16, None)
     auto = load_config(evaluated, runs["sparse_rl_auto"]).rollout.kv_compression
-    assert (auto.budget, auto.auto_budget.min, auto.auto_budget.max) == (12, 12, 16)
+    assert (auto.budget, auto.auto_budget.min, auto.auto_budget.max) == (16, 12, 16)
     for budgets, auto_variants, message in [("16,12", "dense", "--auto 'dense'"), (None, "sparse_rl", "--auto needs"),
                                             ("12,x", None, "--budgets '12,x'"), ("12", "sparse_rl", "--auto needs")]:
         args.budgets, args.auto = budgets, auto_variants

@@ -95,3 +95,16 @@ def test_config_section(tmp_path):
         with pytest.raises(ConfigError, match=None) as caught:
             load_config(base, list(overrides))
         assert message in str(caught.value), (overrides, str(caught.value))
+
+
+def test_an_engine_takes_a_smaller_budget_per_request_without_overrides():
+    """Engines of an automatic budget start at its max and take each rollout's budget per request; any
+    other per-request setting still needs allow_request_override (sglang_patches/settings.py)."""
+    from sglang_patches.settings import EngineKVSettings
+
+    engine = EngineKVSettings(policy="rkv", budget=20, sink=2, window=4, interval=2)
+    assert engine.refusal({"budget": 12}) is None and engine.refusal({"budget": 20}) is None
+    assert engine.updated({"budget": 12}).budget == 12
+    for override in ({"budget": 24}, {"budget": 0}, {"budget": 12, "window": 2}, {"policy": "none"}):
+        assert "a request may only lower its budget (at most 20)" in engine.refusal(override), override
+    assert EngineKVSettings(policy="rkv", budget=20, allow_request_override=True).refusal({"policy": "none"}) is None

@@ -102,6 +102,8 @@ def test_two_nodes_two_engines(placement, e2e_run, tiny_model_dir, tmp_path):
     if placement == "separate":  # iteration 2 trained on the samples both engines made during iteration 1
         assert _history(run_dir, "rollout/weight_version") == {0: 0.0, 1: 0.0}
         assert _history(run_dir, "rollout/staleness_max") == {0: 0.0, 1: 1.0}
+        # the batch ahead was started before iteration 1's mismatch set the next budget: the first one
+        assert _history(run_dir, "kv/budget") == {0: 12.0, 1: 12.0}
     dp_share = 4 if placement == "colocated" else 2  # 4 prompts per iteration over DP 1 or DP 2
     assert set(_history(run_dir, "rollout/prompts_per_dp_rank").values()) == {dp_share}
 

@@ -20,7 +20,7 @@ the summary gives each its ratio to the dense-trained model and the drop from de
 ``--budgets B1,B2,...`` sweeps the KV budget: every sparse variant runs once per budget (``naive_b32``, ...;
 the dense variant once, evaluated under each budget's compression) and ``--auto V1,...`` runs those
 variants once more with the automatic budget within the sweep's bounds (``sparse_rl_auto``; it starts at
-CONFIG's budget clamped to them; every auto_budget field may be --set). The tool then also draws
+the largest, the safe end; the other auto_budget fields may be --set). The tool then also draws
 ``OUT/budget_map.png``: held-out accuracy as a fraction of the dense variant's against the rollouts' mean
 peak KV per sample as a fraction of dense, a curve per variant, the automatic runs as points.
 
@@ -165,7 +165,7 @@ def expand_variants(args, names: list[str], kv, evaluates: bool) -> list[tuple[s
         if name in auto:
             low, high = budgets[0], budgets[-1]
             out.append((f"{name}_auto", name, [*evaluation("rollout"), f"{AUTO_KEY}.min={low}", f"{AUTO_KEY}.max={high}",
-                                               f"rollout.kv_compression.budget={min(high, max(low, kv.budget))}"]))
+                                               f"rollout.kv_compression.budget={high}"]))  # the safe end
     return out
 
 

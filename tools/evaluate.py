@@ -196,7 +196,7 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
         variants = parse_kv_variants(spec, base)
     except ValueError as exc:
         raise UsageError(f"--kv: {exc}") from None
-    engine = EngineKVSettings.from_config(base)
+    engine = EngineKVSettings.from_config(base, allow_request_override=True)  # (as main starts it)
     for label, override in variants:
         if override is AUTO:
             raise UsageError(f"--kv rollout: the config's budget is automatic (rollout.kv_compression.auto_budget "

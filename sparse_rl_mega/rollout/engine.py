@@ -166,6 +166,8 @@ def newline_token_ids(tokenizer) -> list[int]:
 def check_request_kv(kv: EngineKVSettings, override: Optional[dict]) -> None:
     """Raise ValueError (TypeError for an unknown policy parameter) if ``override`` (None: the engine's
     own settings) on an engine with settings ``kv`` is not a policy the engine can run at its budget."""
+    if override is not None and kv.refusal(override):
+        raise ValueError(kv.refusal(override))
     resolved = kv.updated(override) if override is not None else kv
     if resolved.enabled:
         build_policy(resolved.policy, sink=resolved.sink, window=resolved.window, selection=resolved.selection,

@@ -514,7 +514,9 @@ def _apply_override(raw: dict, item: str) -> None:
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # (absent, or an optional section set to null: its field makes it a section)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part} is not a section")
     node[parts[-1]] = yaml.safe_load(value)

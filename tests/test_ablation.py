@@ -52,6 +52,11 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     assert (fixed.budget, fixed.auto_budget) == (16, None)
     auto = load_config(evaluated, runs["sparse_rl_auto"]).rollout.kv_compression
     assert (auto.budget, auto.auto_budget.min, auto.auto_budget.max) == (16, 12, 16)
+    # a field of the automatic budget set by the user on a config with a fixed one is read with the sweep's bounds
+    args.overrides = [FIXED_BUDGET, "rollout.kv_compression.auto_budget.decrease=3"]
+    _, runs, _ = plan(args)
+    assert load_config(evaluated, runs["sparse_rl_auto"]).rollout.kv_compression.auto_budget.decrease == 3
+    args.overrides = []
     for budgets, auto_variants, message in [("16,12", "dense", "--auto 'dense'"), (None, "sparse_rl", "--auto needs"),
                                             ("12,x", None, "--budgets '12,x'"), ("12", "sparse_rl", "--auto needs")]:
         args.budgets, args.auto = budgets, auto_variants

@@ -38,6 +38,7 @@ re-running the command after an interruption continues with the variants still m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -107,7 +108,11 @@ def plan(args) -> tuple[Path, dict[str, list[str]], dict[str, int]]:
     out = (args.out or ROOT / "runs" / "ablation" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
     runs, iterations = {}, {}
-    base = load_config(args.config, args.overrides)  # raises ConfigError naming the key
+    budgets = parse_budgets(getattr(args, "budgets", None))
+    # (the user's --set of auto_budget fields, e.g. decrease, is read with the sweep's bounds)
+    bounds = [f"{AUTO_KEY}.min={budgets[0]}", f"{AUTO_KEY}.max={budgets[-1]}",
+              f"rollout.kv_compression.budget={budgets[-1]}"] if getattr(args, "auto", None) and len(budgets) > 1 else []
+    base = load_config(args.config, [*args.overrides, *bounds])  # raises ConfigError naming the key
     kv = base.rollout.kv_compression
     for name, variant, overrides in expand_variants(args, names, kv, base.eval.path is not None):
         overrides = [*filter(None, overrides[:1]), *args.overrides, *variant_overrides(variant), *overrides[1:],
@@ -140,6 +145,8 @@ def expand_variants(args, names: list[str], kv, evaluates: bool) -> list[tuple[s
     user's --set may replace; the others come after the user's."""
     budgets = parse_budgets(getattr(args, "budgets", None))
     auto = [n.strip() for n in (getattr(args, "auto", None) or "").split(",") if n.strip()]
+    if budgets and kv.auto_budget is not None:
+        kv = dataclasses.replace(kv, budget=budgets[-1])  # (the evaluations name budgets, never 'auto')
     if auto and len(budgets) < 2:
         raise ValueError("--auto needs --budgets with at least two budgets: its bounds are their min and max")
     if set(auto) - set(names) or "dense" in auto:

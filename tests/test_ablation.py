@@ -44,7 +44,7 @@ def test_variants_are_validated_before_anything_starts(tmp_path, tiny_model_dir)
     # compression), the automatic budget within the sweep's bounds, from the largest
     args.variants, args.overrides, args.budgets, args.auto = "naive,sparse_rl,dense", [], "16,12", "sparse_rl"
     _, runs, _ = plan(args)
-    assert list(runs) == ["naive_b12", "naive_b16", "sparse_rl_b12", "sparse_rl_b16", "sparse_rl_auto", "dense"]
+    assert list(runs) == ["naive_b12", "naive_b16", "sparse_rl_auto", "sparse_rl_b12", "sparse_rl_b16", "dense"]
     assert runs["naive_b16"][0] == "eval.kv=dense,rkv:16" and "rollout.kv_compression.budget=16" in runs["naive_b16"]
     assert runs["dense"][0] == "eval.kv=dense,rkv:12,rkv:16"
     assert runs["sparse_rl_auto"][0] == "eval.kv=dense,rollout"  # (the budget in force: 'rkv:auto')

@@ -166,13 +166,13 @@ def expand_variants(args, names: list[str], kv, evaluates: bool) -> list[tuple[s
         if name == "dense":  # once, evaluated under every budget's compression (the ratios' denominators)
             out.append((name, name, [*evaluation(*[f"{kv.policy}:{b}" for b in budgets]), *fixed]))
             continue
-        for b in budgets:
-            out.append((f"{name}_b{b}", name, [*evaluation(f"{kv.policy}:{b}"), *fixed,
-                                               f"rollout.kv_compression.budget={b}"]))
-        if name in auto:
+        if name in auto:  # first: a sweep cut short still places the run a user would make against the others
             low, high = budgets[0], budgets[-1]
             out.append((f"{name}_auto", name, [*evaluation("rollout"), f"{AUTO_KEY}.min={low}", f"{AUTO_KEY}.max={high}",
                                                f"rollout.kv_compression.budget={high}"]))  # the safe end
+        for b in budgets:
+            out.append((f"{name}_b{b}", name, [*evaluation(f"{kv.policy}:{b}"), *fixed,
+                                               f"rollout.kv_compression.budget={b}"]))
     return out
 
 

@@ -171,3 +171,9 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count("finished in") == 2 and "tools/launch.py" not in again.stdout
     assert json.loads((out / "ablation.json").read_text())["rows"] == result["rows"]
+    # --report: a summary of what finished, launching nothing (dense never ran here)
+    report = run_tool(ROOT / "tools" / "ablation.py", config, "--variants", "naive,sparse_rl,dense", "--report",
+                      "--iterations", "1", "--out", out, *ONE_PROCESS, "--set", FIXED_BUDGET, timeout=120)
+    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    assert "left out: dense" in report.stdout and "tools/launch.py" not in report.stdout
+    assert json.loads((out / "ablation.json").read_text())["rows"] == result["rows"]

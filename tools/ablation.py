@@ -33,7 +33,9 @@ one of the final held-out accuracies: per KV setting, the ratio to the dense var
 from dense decoding, each with its paired standard error) and ``OUT/ablation.json``, and logs them as a
 summary run. Every variant's config is validated before the first one starts. A variant that already
 finished in OUT (its MLflow run ended with every iteration logged) is not run again unless --rerun:
-re-running the command after an interruption continues with the variants still missing.
+re-running the command after an interruption continues with the variants still missing, and
+``--report`` writes the summary of those finished so far without launching anything (a long sweep can be
+looked at while it runs, or after it was cut short).
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="config override for every variant (repeatable)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite in --out)")
     p.add_argument("--rerun", action="store_true", help="run variants again even if they finished in --out")
+    p.add_argument("--report", action="store_true",
+                   help="launch nothing: summarise the variants finished in --out so far")
     p.add_argument("--budgets", default=None, metavar="B1,B2,...",
                    help="run every sparse variant once per KV budget (the budget map); dense runs once")
     p.add_argument("--auto", default=None, metavar="V1,...",
@@ -432,7 +436,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # the launches: forks of one process that imported the launcher's modules (CPU, one node), else new
     # interpreters; started before MLflow's store, which starts a thread here
-    forked = start_launch_server(args.config, next(iter(runs.values())))
+    forked = None if args.report else start_launch_server(args.config, next(iter(runs.values())))
     tracking = args.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
@@ -442,8 +446,12 @@ def main(argv=None) -> int:
         mlflow.create_experiment(EXPERIMENT, artifact_location=(out / "mlartifacts").as_uri()
                                  if args.tracking_uri is None else None)
     print(f"[ablation] {len(runs)} variant(s): {', '.join(runs)} -> {out}", flush=True)
-    failed = []
+    failed, missing = [], []
     for k, (name, overrides) in enumerate(runs.items(), 1):
+        if args.report:
+            if not finished(tracking, name, iterations[name]):
+                missing.append(name)
+            continue
         if not args.rerun and finished(tracking, name, iterations[name]):
             print(f"[ablation] ({k}/{len(runs)}) {name}: finished in {out} already (--rerun runs it again)",
                   flush=True)
@@ -457,7 +465,9 @@ def main(argv=None) -> int:
         if code != 0:
             failed.append(name)
 
-    data = collect(tracking, list(runs), out)
+    if missing:
+        print(f"[ablation] --report: not finished in {out}, left out: {', '.join(missing)}", flush=True)
+    data = collect(tracking, [name for name in runs if name not in missing], out)
     if not data:
         print("[ablation] no variant produced metrics", file=sys.stderr)
         return 1

@@ -154,6 +154,7 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
     for variant in rows:
         assert sorted(history(variant, "reward/mean")) == [0]
         assert rows[variant]["reward_first"] == history(variant, "reward/mean")[0]
+        assert rows[variant]["peak_kv_tokens"] == history(variant, "kv/peak_tokens_per_sample")[0] > 0
     (summary,) = client.search_runs([client.get_experiment_by_name("ablation").experiment_id],
                                     filter_string="tags.mlflow.runName = 'summary'")
     assert summary.data.metrics["naive/eval_rkv_12/after"] == accuracy[("naive", "rkv:12")]["after"]

@@ -67,7 +67,7 @@ PANELS = [("training reward", [("reward/mean", "")]),
           ("largest importance weight (their mean is 1)", [("correction/is_weight_max", "")]),
           ("evicted tokens per sample", [("kv/evicted_tokens_per_sample", "")])]
 PANELS.append(("KV budget (the automatic budget's, or the fixed one)", [("kv/budget", "")]))
-CURVES = [key for _, lines in PANELS for key, _ in lines] + ["kv/peak_fraction_of_dense"]
+CURVES = [key for _, lines in PANELS for key, _ in lines] + ["kv/peak_fraction_of_dense", "kv/peak_tokens_per_sample"]
 AUTO_KEY = "rollout.kv_compression.auto_budget"
 
 
@@ -311,8 +311,9 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
                "token_rejected_low_mean": _mean(d["curves"]["correction/token_rejected_low_fraction"].values()),
                "is_weight_max_mean": _mean(d["curves"]["correction/is_weight_max"].values()),
                # the rollouts' KV: the budget (its mean over iterations when automatic) and each sample's
-               # peak KV as a fraction of its dense KV (1 for dense rollouts)
+               # peak KV in tokens (prompt included) and as a fraction of its dense KV (1 for dense rollouts)
                "budget_mean": _mean(d["curves"]["kv/budget"].values()),
+               "peak_kv_tokens": _mean(d["curves"]["kv/peak_tokens_per_sample"].values()),
                "peak_kv_fraction": _mean(d["curves"]["kv/peak_fraction_of_dense"].values())
                if name != "dense" else 1.0}
         rows.append(row)

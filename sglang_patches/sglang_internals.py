@@ -14,7 +14,8 @@ through what it offers:
   positions, the attention layer, retraction, the scheduler's internal state, admission, sampling
   seeds, weight loading (CPU) and its progress bars;
 * on the trainer's side: the engine's event loop and tokenizer manager, its subprocess watchdog, when it
-  last answered, weight-update requests, and the module whose process starts it uses.
+  last answered, weight-update requests, generation with sampling supports, and the module whose
+  process starts it uses.
 
 Written against SGLang 0.5.23 (file and line references below are to that release).
 """
@@ -442,6 +443,19 @@ def set_engine_multiprocessing(mp: Any) -> None:
 def run_on_engine_loop(engine: Any, call: Callable[[Any], Any]) -> Any:
     """Run the coroutine ``call(tokenizer_manager)`` to completion on the engine's event loop."""
     return engine.loop.run_until_complete(call(engine.tokenizer_manager))
+
+
+def generate_with_support(engine: Any, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+    """``engine.generate`` with each request's sampling support (``return_sampling_mask``, "selected"
+    mode): every output's ``meta_info`` gains ``output_token_sampling_mask`` (the ids the top-k / top-p
+    truncation kept at each step) and ``output_token_sampling_logprobs`` (the sampled token's logprob
+    renormalised over them). SGLang's ``Engine.generate`` does not pass these fields through
+    (``entrypoints/engine.py``), so the request is built here as it builds it."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
+                               return_sampling_mask=True, sampling_logprobs_mode="selected")
+    return run_on_engine_loop(engine, lambda manager: manager.generate_request(request, None).__anext__())
 
 
 def engine_loop(engine: Any) -> Any:

@@ -5,6 +5,10 @@ and loss. Below both the rollout (``rollout/``) and the learner (``learner/``): 
 All per-token tensors are aligned to *label* positions of the packed sequence
 ``input_ids = (prompt + response)[:-1]``, ``labels = (prompt + response)[1:]``, padded to a common
 width ``S``; ``response_mask[i, t]`` is 1 where ``labels[i, t]`` is a sampled response token.
+
+A batch also says how its tokens were drawn, which every learner pass must reproduce: the sampling
+``temperature`` (the engine's logprobs are those of ``softmax(logits / temperature)``) and, when the
+engine truncated the distribution (top-k / top-p), the ``support_ids`` each token was drawn from.
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ class GeneratedSample:
     finish_reason: str
     cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
     weight_version: str = ""  # the engine's weight version when the sample finished
+    # with top-k / top-p: the token ids the truncation kept at each response position (SGLang's
+    # sampling mask); ``logp_sparse`` is then the logprob renormalised over them. None: whole vocabulary
+    support: Optional[list[list[int]]] = None
 
 
 @dataclass
@@ -43,6 +50,8 @@ class RolloutBatch:
     loss_mask: Optional[torch.Tensor] = None    # [N, S] float32
     response_texts: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    temperature: float = 1.0                    # the sampling temperature of logp_sparse
+    support_ids: Optional[torch.Tensor] = None  # [N, S, K] int32: the truncation's kept ids per label, -1 pad
 
     @property
     def size(self) -> int:
@@ -67,8 +76,10 @@ class RolloutBatch:
         return RolloutBatch(**out)
 
 
-def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], pad_id: int = 0) -> RolloutBatch:
-    """Pack engine samples (groups contiguous) into a :class:`RolloutBatch`."""
+def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], pad_id: int = 0,
+                 temperature: float = 1.0) -> RolloutBatch:
+    """Pack engine samples (groups contiguous), drawn at ``temperature``, into a :class:`RolloutBatch`;
+    their supports (if any was truncated) into ``support_ids``, as wide as the largest support."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
     n = len(samples)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -83,9 +94,21 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
         start = len(s.prompt_ids) - 1  # label position of the first response token
         response_mask[i, start:start + len(s.response_ids)] = 1.0
         logp_sparse[i, start:start + len(s.response_ids)] = torch.tensor(s.logp_sparse, dtype=torch.float32)
+    support_ids = None
+    if any(s.support is not None for s in samples):
+        widest = max(len(ids) for s in samples for ids in (s.support or [[]]))
+        support_ids = torch.full((n, width, widest), -1, dtype=torch.int32)
+        for i, s in enumerate(samples):
+            if s.support is None or len(s.support) != len(s.response_ids):
+                raise ValueError(f"sample {i} has {len(s.support or [])} sampling supports for its "
+                                 f"{len(s.response_ids)} response tokens")
+            start = len(s.prompt_ids) - 1
+            for t, ids in enumerate(s.support):
+                support_ids[i, start + t, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return RolloutBatch(input_ids=input_ids, labels=labels, response_mask=response_mask, logp_sparse=logp_sparse,
                         rewards=torch.tensor(list(rewards), dtype=torch.float32),
                         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
                         weight_versions=torch.tensor([int(s.weight_version or 0) for s in samples], dtype=torch.long),
                         response_texts=[s.response_text for s in samples],
-                        finish_reasons=[s.finish_reason for s in samples])
+                        finish_reasons=[s.finish_reason for s in samples], temperature=temperature,
+                        support_ids=support_ids)

@@ -199,8 +199,14 @@ class RolloutConfig:
     placement: Literal["colocated", "separate"] = "colocated"
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 1024
+    # the sampling distribution: softmax(logits / temperature), truncated to the top_k most likely tokens
+    # (-1: off) and to the smallest set of them holding top_p of the mass, renormalised. The learner's
+    # passes reproduce it exactly (docs/algorithm.md, "The behaviour policy"); min_p is refused (> 0):
+    # SGLang 0.5.23's seeded sampler cannot draw it
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.8
     max_running_requests: Optional[int] = None
@@ -216,6 +222,12 @@ class RolloutConfig:
     # the engines generate the next iteration's samples while the learner trains, and no sample is trained
     # on with weights more than K versions (iterations) older than the learner's
     max_staleness: int = 0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling truncates the distribution (top-k or top-p): the engines then report each
+        token's support and the learner renormalises over it."""
+        return self.top_p < 1.0 or self.top_k > 0
 
 
 Level = Literal["none", "token", "sequence", "geometric"]
@@ -716,6 +728,12 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     _require(r.max_staleness >= 0, source, "rollout.max_staleness",
              f"must be >= 0 (0: no overlap; K: samples at most K weight versions old), got {r.max_staleness}")
     _require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _require(r.top_k == -1 or r.top_k >= 2, source, "rollout.top_k",
+             f"must be -1 (off) or >= 2 (1 is greedy: every sample of a prompt would be the same), got {r.top_k}")
+    _require(r.min_p == 0.0, source, "rollout.min_p",
+             f"must be 0, got {r.min_p}: SGLang 0.5.23's pytorch sampler cannot draw min-p with a per-request "
+             "seed (an assertion in top_k_top_p_min_p_sampling_from_probs_torch), and every rollout is seeded "
+             "so that a resumed run repeats the uninterrupted one; truncate with top_p or top_k")
     _require(r.temperature > 0.0, source, "rollout.temperature",
              f"must be > 0 (RL samples), got {r.temperature}")
     _require(0.0 < r.mem_fraction_static < 1.0, source, "rollout.mem_fraction_static",

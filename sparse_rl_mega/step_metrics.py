@@ -1,11 +1,14 @@
 """The metrics of an iteration's optimizer steps: the figures a step adds to the correction's and the
 train step's own (its advantages; mismatch and rejection by staleness), and how the steps' metrics
 become the iteration's, by one declared reduction per metric (docs/metrics.md: per-iteration values
-average the steps, maxima take the max, minima the min, skipped steps add up).
+average the steps, maxima take the max, minima the min, skipped steps add up); and what a dense
+sampler's mismatch may be at most (float rounding alone).
 """
 from __future__ import annotations
 
+import math
 import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -87,3 +90,26 @@ def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, g
         out.update({f"{key}_staleness{s}": m[key] for key in ("mismatch/k3", "correction/token_rejected_fraction",
                                                                "correction/veto_fraction")})
     return out
+
+
+# The largest per-token |logp_engine - logp_learner| that the two implementations' rounding explains
+# for the same weights at temperature 1, by the model's dtype: float32, the engine-vs-learner sync bound
+# (docs/testing.md, 10x the spread measured across CPU kernels); bfloat16 / float16, 10x the ~2e-3 that
+# SGLang and transformers differ by in bf16 (shared notes, sglang-on-cpu.md).
+LOGPROB_AGREEMENT = {"float64": 1e-4, "float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+def dense_k3_bound(dtype: str, temperature: float) -> float:
+    """The most ``mismatch/k3`` (a mean of ``rho - 1 - log rho``) that rounding explains when a dense
+    sampler and the learner's old policy hold the same weights: every token's ``|log rho|`` at most
+    the dtype's agreement divided by the temperature (logits are divided by it before the softmax), and
+    ``k3`` largest at ``log rho = +tau``."""
+    tau = LOGPROB_AGREEMENT[dtype] / temperature
+    return math.expm1(tau) - tau
+
+
+def dense_sampler_k3(metrics: dict[str, float], max_staleness: int) -> Optional[float]:
+    """``mismatch/dense_sampler_k3`` of an iteration of dense rollouts: the mismatch of the rows sampled
+    with the learner's current weights (all of them with ``max_staleness`` 0; those of staleness 0
+    otherwise), which only rounding may cause; None when there are none."""
+    return metrics.get("mismatch/k3_staleness0" if max_staleness else "mismatch/k3")

@@ -104,6 +104,7 @@ class Trainer:
         self.tracker = None
         self.scorer = None  # engine hosts: the reward scorer (math: a pool of checking processes)
         self.ref_model = None
+        self.warned_dense_mismatch = False  # (warn_dense_mismatch: once per run)
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.engine_seconds: Optional[float] = None  # how long it took to come up
@@ -256,7 +257,8 @@ class Trainer:
                     mem_fraction_static=r.mem_fraction_static, attention_backend=r.attention_backend,
                     tp_size=r.engine_tensor_parallel_size, base_gpu_id=self.placement.first_device,
                     memory_saver=self.fleet.release_memory, prompt_tokens=prompt_tokens,
-                    timeout_s=r.engine_timeout_s, name=name, log=log)
+                    timeout_s=r.engine_timeout_s, name=name, support_top_k=r.top_k if r.truncates else None,
+                    log=log)
 
             self.fleet.start(make_start)
 
@@ -396,7 +398,8 @@ class Trainer:
         from sparse_rl_mega.algo.advantages import grpo_advantages
         from sparse_rl_mega.algo.correction import compute_correction
         from sparse_rl_mega.learner.step import train_step
-        from sparse_rl_mega.step_metrics import advantage_metrics, merge_steps, metrics_by_staleness
+        from sparse_rl_mega.step_metrics import (advantage_metrics, dense_sampler_k3, merge_steps,
+                                                 metrics_by_staleness)
 
         cfg, algo, correction = self.cfg, self.cfg.algorithm, self.cfg.algorithm.correction
         share = cfg.trainer.global_batch_size // self.dp_size
@@ -416,7 +419,14 @@ class Trainer:
                 step_metrics.update(train_step(self.learner, part, algo, cfg.trainer.micro_batch_size))
             self.count_skipped_step(step_metrics, iteration, step)
             per_step.append(step_metrics)
-        return merge_steps(per_step)
+        merged = merge_steps(per_step)
+        # dense rollouts: the sampler is the old policy up to rounding (and staleness), so this is ~0
+        # unless the learner does not recompute the distribution the engine sampled
+        if cfg.rollout.kv_compression.policy == "none" and correction.old_policy == "dense":
+            k3 = dense_sampler_k3(merged, cfg.rollout.max_staleness)
+            if k3 is not None:
+                merged["mismatch/dense_sampler_k3"] = k3
+        return merged
 
     def push(self, batch, iteration: int, timer: PhaseTimer) -> dict[str, float]:
         """The weights after ``iteration`` to the engines once they are idle (a push waits for the batch
@@ -469,8 +479,26 @@ class Trainer:
             "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
         if budget_note is not None:
             log(f"           {budget_note}")
+        self.warn_dense_mismatch(iteration, metrics)
         if saved_line is not None:
             log(saved_line)
+
+    def warn_dense_mismatch(self, iteration: int, metrics: dict[str, float]) -> None:
+        """Rank 0, once per run: a dense sampler's mismatch above what float rounding explains means the
+        learner's old policy is not the distribution the engines sampled from (the correction then
+        rejects and reweights for a mismatch that does not exist)."""
+        from sparse_rl_mega.step_metrics import dense_k3_bound
+
+        k3 = metrics.get("mismatch/dense_sampler_k3")
+        r = self.cfg.rollout
+        bound = dense_k3_bound(self.cfg.model.dtype, r.temperature)
+        if k3 is None or k3 <= bound or self.warned_dense_mismatch:
+            return
+        self.warned_dense_mismatch = True
+        log(f"[warn] iteration {iteration + 1}: dense rollouts differ from the learner's old policy by k3 {k3:.2e}, "
+            f"more than {self.cfg.model.dtype} rounding explains ({bound:.1e} at temperature {r.temperature:g}): "
+            f"the learner does not recompute the distribution the engines sample from (temperature "
+            f"{r.temperature:g}, top_p {r.top_p:g}, top_k {r.top_k}, or other weights)")
 
     def report_end(self, loop_started: float) -> None:
         """The held-out before/after table, the loop's time, where the run went."""

@@ -55,11 +55,13 @@ def _context_parallel() -> tuple[int, int, Optional[dist.ProcessGroup]]:
 def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool, width: int,
                   cp_size: int = 1, cp_rank: int = 0, device: torch.device = torch.device("cpu")) -> list[dict]:
     """Micro-batches of ``batch`` as this rank feeds them to its model, on ``device``: ``[b, S]``
-    tensors right-padded to ``width`` (padding is masked out of the loss) and cut to this CP rank's
+    tensors (and the ``[b, S, K]`` sampling supports, if any) right-padded to ``width`` (padding is masked out of the loss) and cut to this CP rank's
     chunks when CP > 1, ``[b]`` advantages and response-token counts (``response_tokens``), and with CP
     the whole sequences' kept-token counts (``seq_tokens``)."""
-    def local(tensor: torch.Tensor) -> torch.Tensor:  # [b, S] -> [b, width / cp]
-        tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[1])) if width > tensor.shape[1] else tensor
+    def local(tensor: torch.Tensor, fill: int = 0) -> torch.Tensor:  # [b, S, ...] -> [b, width / cp, ...]
+        if width > tensor.shape[1]:
+            pad = tensor.new_full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill)
+            tensor = torch.cat([tensor, pad], dim=1)
         return (split_sequence(tensor, cp_size, cp_rank) if cp_size > 1 else tensor).to(device)
 
     positions = torch.arange(width).unsqueeze(0)
@@ -69,6 +71,8 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
         n = batch.input_ids[rows].shape[0]
         mb = {"input_ids": local(batch.input_ids[rows]), "labels": local(batch.labels[rows]),
               "position_ids": local(positions.expand(n, -1))}
+        if batch.support_ids is not None:  # [b, width / cp, K]: the sampler's top-k / top-p supports
+            mb["support_ids"] = local(batch.support_ids[rows], fill=-1)
         if with_loss_inputs:
             for name in _LOSS_INPUTS:
                 value = getattr(batch, name)
@@ -120,14 +124,16 @@ def _broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
 def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
     """Dense logprobs of ``batch.labels`` ``[N, S]`` (float32) from ``chunks`` (a learner's DDP chunks
     or a frozen reference model's chunks; one module is taken as one chunk), returned on every rank of
-    the pipeline group. The interleaved schedule needs a multiple of PP micro-batches: copies of the
+    the pipeline group: those of the distribution the batch was sampled from (``batch.temperature``,
+    renormalised over ``batch.support_ids`` when the sampler truncated). The interleaved schedule needs a multiple of PP micro-batches: copies of the
     last row fill the last group and are dropped."""
     from megatron.core import parallel_state as ps
 
     chunks = as_chunks(chunks)
 
     def logprob_loss(mb, logits):
-        logp, _ = logprobs_and_entropy(logits, mb["labels"], with_entropy=False)
+        logp, _ = logprobs_and_entropy(logits, mb["labels"], with_entropy=False, temperature=batch.temperature,
+                                       support_ids=mb.get("support_ids"))
         return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logp": logp}
 
     was_training = chunks[0].training
@@ -161,7 +167,9 @@ def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfi
     cp_size, cp_rank, _ = _context_parallel()
 
     def corrected_loss(mb, logits):
-        logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"])  # entropy is also a metric
+        # the distribution the batch was sampled from (temperature, truncation); entropy is also a metric
+        logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"], temperature=batch.temperature,
+                                                   support_ids=mb.get("support_ids"))
         # with CP, one rank counts whole sequences and the per-sequence means use whole-sequence counts
         loss_sum, count, stats = policy_loss(logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"],
                                              mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy,

@@ -192,7 +192,14 @@ def _hf_shape(model_path: str) -> dict:
     hf = json.loads((Path(model_path) / "config.json").read_text())
     heads = hf["num_attention_heads"]
     return {"layers": hf["num_hidden_layers"], "heads": heads, "kv_heads": hf.get("num_key_value_heads", heads),
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads}
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab": hf["vocab_size"]}
+
+
+def support_cap(top_k: int, vocab_size: int) -> int:
+    """The largest sampling support an engine must report for requests truncated at ``top_k`` (-1:
+    top-p alone): SGLang's ``sampling_mask_max_tokens``, which also sets how many ids its sampler packs
+    per request and step (``layers/sampler.py``), so it is kept as small as the truncation allows."""
+    return top_k if top_k > 0 else vocab_size
 
 
 def check_engine_tp(model_path: str, kv: EngineKVSettings, tp_size: int) -> None:
@@ -232,7 +239,7 @@ class RolloutEngine:
                  mem_fraction_static: float = 0.8, attention_backend: Optional[str] = None,
                  tp_size: int = 1, base_gpu_id: int = 0, memory_saver: bool = False, log_level: str = "error",
                  prompt_tokens: int = 1024, timeout_s: float = DEFAULT_ENGINE_TIMEOUT_S, name: str = "engine",
-                 log=print):
+                 support_top_k: Optional[int] = None, log=print):
         """``timeout_s``: a call that gets no answer from the engine for this long fails
         (:class:`EngineFailure`), as does one whose engine processes died; ``name`` names the engine in
         those errors. ``base_gpu_id``: the node-local GPU of the engine's TP rank 0 (GPU only); ``memory_saver``:
@@ -240,7 +247,9 @@ class RolloutEngine:
         colocated learner trains (GPU only). On a GPU, the KV patch's side buffers (query ring, H2O's
         mass for requests of up to ``prompt_tokens`` prompt tokens) are taken out of
         ``mem_fraction_static`` before SGLang sizes its KV pool, and scoring policies run without CUDA
-        graphs (:func:`cuda_graphs_allowed`). Another SGLang than the patch's raises
+        graphs (:func:`cuda_graphs_allowed`). ``support_top_k``: the ``top_k`` (-1: top-p alone) of
+        the requests that will report their sampling support (:meth:`start_generate`'s
+        ``report_support``); None: no request will. Another SGLang than the patch's raises
         :class:`~sglang_patches.sglang_internals.SGLangVersionError` (one line) before anything starts."""
         sglang_internals.check_version()
         check_engine_tp(model_path, kv, tp_size)
@@ -280,6 +289,10 @@ class RolloutEngine:
                         f"{side['scoring'] / 2**30:.2f}) taken out of mem_fraction_static -> "
                         f"{kwargs['mem_fraction_static']:.3f}")
             log(f"[engine] {why}")
+        self.vocab_size = _hf_shape(model_path)["vocab"]
+        self.support_cap = None if support_top_k is None else support_cap(support_top_k, self.vocab_size)
+        if self.support_cap is not None:
+            kwargs["sampling_mask_max_tokens"] = self.support_cap
         if max_total_tokens:
             kwargs["max_total_tokens"] = max_total_tokens
         if max_running_requests:
@@ -323,15 +336,16 @@ class RolloutEngine:
     def generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
                  kv_override: Optional[dict] = None, ignore_eos: bool = False,
-                 prompt_offset: int = 0) -> list[GeneratedSample]:
+                 prompt_offset: int = 0, top_k: int = -1, report_support: bool = False) -> list[GeneratedSample]:
         """``n_samples`` responses per prompt (see :meth:`start_generate`), waited for."""
         return self.start_generate(prompts_ids, n_samples, max_new_tokens, temperature, top_p, seed, kv_override,
-                                   ignore_eos, prompt_offset).result()
+                                   ignore_eos, prompt_offset, top_k, report_support).result()
 
     def start_generate(self, prompts_ids: Sequence[Sequence[int]], n_samples: int, max_new_tokens: int,
                        temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
                        kv_override: Optional[dict] = None, ignore_eos: bool = False,
-                       prompt_offset: int = 0) -> "PendingGeneration":
+                       prompt_offset: int = 0, top_k: int = -1, report_support: bool = False
+                       ) -> "PendingGeneration":
         """Start sampling ``n_samples`` responses per prompt, groups contiguous (prompt-major order), and
         return at once: the engine decodes in its own processes while the caller works (overlapped
         rollouts); :meth:`PendingGeneration.result` waits, watching the engine as every call does. No
@@ -343,7 +357,18 @@ class RolloutEngine:
         have been started with ``allow_request_override``, unless the override is only a budget no larger
         than the engine's (``{"budget": 48}``: the automatic budget). Sample ``s`` of prompt ``i`` is sampled with
         seed ``seed + (prompt_offset + i) * n_samples + s``: an engine given a shard of an iteration's
-        prompts (``prompt_offset`` = the shard's first prompt) draws what one engine given them all would."""
+        prompts (``prompt_offset`` = the shard's first prompt) draws what one engine given them all would.
+
+        ``top_k`` (-1: off) and ``top_p`` truncate each step's distribution (SGLang: top-k, then top-p
+        on the untruncated cumulative mass). With ``report_support`` every sample carries the ids the
+        truncation kept at each step (``GeneratedSample.support``) and its ``logp_sparse`` is the logprob
+        renormalised over them, the probability the token was drawn with (SGLang's
+        ``return_sampling_mask``; top-p alone is sent as top-k = the vocabulary, which SGLang requires
+        for it and which keeps every token); without it, the logprob of the untruncated distribution."""
+        cap = top_k if top_k > 0 else self.vocab_size
+        if report_support and (self.support_cap is None or cap > self.support_cap):
+            raise ValueError(f"{self.name} reports sampling supports of at most {self.support_cap} tokens "
+                             f"(support_top_k at its start); a request at top_k {top_k} needs {cap}")
         custom = None
         if kv_override is not None:
             check_request_kv(self.kv, kv_override)  # raises here, not in the scheduler
@@ -354,14 +379,20 @@ class RolloutEngine:
                 input_ids.append(list(ids))
                 sp = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                       "ignore_eos": ignore_eos}
+                if top_k > 0 or report_support:
+                    sp["top_k"] = cap
                 if custom is not None:
                     sp["custom_params"] = custom
                 if seed is not None:
                     sp["sampling_seed"] = seed + (prompt_offset + p_index) * n_samples + s
                 params.append(sp)
         started_at = time.time()
-        future = self._submit(self.engine.generate, input_ids=input_ids, sampling_params=params, return_logprob=True)
-        return PendingGeneration(self, future, input_ids, n_samples, started_at)
+        if report_support:
+            future = self._submit(sglang_internals.generate_with_support, self.engine, input_ids, params)
+        else:
+            future = self._submit(self.engine.generate, input_ids=input_ids, sampling_params=params,
+                                  return_logprob=True)
+        return PendingGeneration(self, future, input_ids, n_samples, started_at, report_support)
 
     def dense_logprobs(self, token_ids: Sequence[int], phase: str = "logprob check") -> list[float]:
         """Logprob of ``token_ids[1:]`` given their prefixes, from one (never compressed) prefill
@@ -661,9 +692,9 @@ class PendingGeneration:
     ``finished_at`` (``time.time()``; None while it runs) time the engine's work."""
 
     def __init__(self, engine: RolloutEngine, future: Future, input_ids: list[list[int]], n_samples: int,
-                 started_at: float):
+                 started_at: float, report_support: bool = False):
         self.engine, self.future, self.input_ids, self.n_samples = engine, future, input_ids, n_samples
-        self.started_at = started_at
+        self.started_at, self.report_support = started_at, report_support
         self.finished_at: Optional[float] = None
         future.add_done_callback(self._finished)
 
@@ -680,9 +711,18 @@ class PendingGeneration:
             meta = out["meta_info"]
             token_logprobs = meta["output_token_logprobs"]
             finish = meta.get("finish_reason") or {}
+            logp = [float(t[0]) for t in token_logprobs]
+            support = None
+            if self.report_support:  # the truncated, renormalised logprob and the ids it was drawn among
+                support = [[int(i) for i in ids] for ids in meta.get("output_token_sampling_mask", [])]
+                logp = [float(v) for v in meta.get("output_token_sampling_logprobs", [])]
+                if not len(support) == len(logp) == len(token_logprobs):
+                    why = finish.get("message", finish) if isinstance(finish, dict) else finish
+                    raise RuntimeError(f"{self.engine.name} returned {len(support)} sampling supports for "
+                                       f"{len(token_logprobs)} tokens of sample {k}: {why}")
             samples.append(GeneratedSample(
                 prompt_index=k // self.n_samples, prompt_ids=self.input_ids[k],
-                response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=[float(t[0]) for t in token_logprobs],
+                response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=logp, support=support,
                 response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
                 cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
         return samples

@@ -225,7 +225,7 @@ class RolloutPipeline:
                                f"each: got prompts {covered}")
         samples = [sample for s in shards for sample in s["samples"]]
         rewards = [reward for s in shards for reward in s["rewards"]]
-        batch = pack_samples(samples, rewards, pad_id=shards[0]["pad_id"])
+        batch = pack_samples(samples, rewards, pad_id=shards[0]["pad_id"], temperature=cfg.rollout.temperature)
         per_sample = [c for s in shards for c in s["compression"]]
         response_lens = [len(x.response_ids) for x in samples]
         dense_tokens = [len(x.prompt_ids) + max(len(x.response_ids) - 1, 0) for x in samples]
@@ -281,9 +281,10 @@ class RolloutPipeline:
                 budget = self.batch_budgets.setdefault(iteration, self.budget_control.budget)
                 override = {"budget": budget}
         # the seeds of one engine given every prompt: the same samples for any number of engines
+        # with top-k / top-p each token comes with the support it was drawn from (the learner renormalises there)
         pending = engine.start_generate(prompts_ids, r.n_samples_per_prompt, r.max_new_tokens, r.temperature, r.top_p,
                                         seed=cfg.trainer.seed * 100_003 + iteration * 7919, kv_override=override,
-                                        prompt_offset=shard.start)
+                                        prompt_offset=shard.start, top_k=r.top_k, report_support=r.truncates)
         idle = pending.started_at - self.engine_finished_at if self.engine_finished_at is not None else 0.0
         return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, budget, idle)
 

@@ -1,7 +1,8 @@
 """The learner's gradient of the full corrected loss is the gradient of that loss, at every layout.
 
 One fixed global batch (8 sequences, veto + token rejection + IS truncation + PPO and dual clipping +
-k3 KL + entropy bonus all active; tests/helpers/grad_batch.py) is differentiated by the real Megatron
+k3 KL + entropy bonus all active, sampled at temperature 0.7 and half of it top-k/top-p truncated;
+tests/helpers/grad_batch.py) is differentiated by the real Megatron
 learner under torchrun (gloo) at several layouts, each with several micro-batches, and every gradient
 is gathered in HF names. The reference is independent of Megatron: plain autograd through the
 transformers model with the same weights, logprobs and entropy from its logits, the same correction
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 from float_bounds import U32, U64, float64_causal_lm, forward_depth, gamma  # noqa: E402
 from grad_batch import ALGORITHM, LOSS_NAMES, LOSSES, N, REJECTED_ROW, VETOED_ROW, WIDTH, fill_loss_inputs, \
-    synthetic_batch  # noqa: E402
+    sampled_distribution_logits, synthetic_batch  # noqa: E402
 
 HELPER = ROOT / "tests" / "helpers" / "grad_check.py"
 # name: (processes, TP, PP, micro-batch size, more parallel settings); every layout runs >= 2 micro-batches
@@ -95,9 +96,11 @@ def autograd_reference(model_dir: Path) -> dict:
 
     model = float64_causal_lm(model_dir)
     batch = synthetic_batch(model.config.vocab_size)
-    logp_all = torch.log_softmax(model(batch.input_ids).logits, dim=-1)
+    # the distribution the batch was sampled from: temperature, and the truncated rows' supports
+    logits = sampled_distribution_logits(model(batch.input_ids).logits, batch)
+    logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -(logp_all.exp() * logp_all.masked_fill(logits == float("-inf"), 0.0)).sum(-1)
     metrics = fill_loss_inputs(batch, logp.detach(), torch.arange(N), batch.rewards)
     out = {"metrics": metrics, "kept_per_row": batch.loss_mask.sum(dim=1).tolist(),
            "response_per_row": batch.response_mask.sum(dim=1).tolist()}

@@ -1,7 +1,8 @@
 """The Megatron learner against transformers at four layouts (torchrun, gloo): TP1PP1, TP2, PP2 and
 TP2PP2. For each HF model folder (the layouts of one process count share a torchrun session): the folder loaded
 into the shards and gathered back is bit-exact, and the learner's full logits, dense logprobs and
-entropies (vocab-parallel, through the pipeline schedule) equal the HF model's, both computed in float64
+entropies (vocab-parallel, through the pipeline schedule; also at a sampling temperature and over a
+truncated support, as the engine samples) equal the HF model's, both computed in float64
 (the learner's float32 path: tests/test_layout_invariance.py and every engine-vs-learner sync check),
 within the float64 rounding bound of the forward pass (tests/helpers/float_bounds.py).
 
@@ -118,6 +119,11 @@ def _assert_matches_hf(name: str, result: dict, record_property) -> None:
         record_property(f"{name}.{key}", result[key])  # (--junitxml: docs/testing.md)
         assert result[key] <= bound, (name, key, bound, result)
     assert result["entropy_mean"] > 0.1, (name, result)  # a real distribution, not a collapsed one
+    # as sampled (temperature 0.6, one row truncated to a support): the logits are divided by 0.6 first
+    for key in ("max_abs_sampled_logprob_diff", "max_abs_sampled_entropy_diff"):
+        record_property(f"{name}.{key}", result[key])
+        assert result[key] <= bound / result["temperature"], (name, key, bound, result)
+    assert result["truncated_entropy_mean"] > 0.01, (name, result)  # the support holds more than the label
 
 
 @pytest.mark.parametrize("tp, pp", list(LAYOUTS))

@@ -8,6 +8,10 @@ reference logprobs are the model's own dense logprobs plus fixed noise, one toke
 anchor than under the sampler (all its tokens rejected, high side), so the veto, token rejection,
 IS truncation, PPO and dual clipping, the KL and the entropy terms are all active, and two rows keep
 no token (they stay in the release's loss denominator).
+
+The batch was "sampled" at temperature ``TEMPERATURE`` and rows ``TRUNCATED_ROWS`` with a top-k/top-p
+truncation: each of their response positions has a support (the label and 4-30 other ids) over which
+every pass renormalises.
 """
 import torch
 
@@ -18,6 +22,8 @@ LOSSES = (("seq-mean-token-mean", "batch"), ("token-mean", "batch"), ("seq-mean-
 LOSS_NAMES = tuple(f"{mode}/{denominator}" for mode, denominator in LOSSES)
 ALGORITHM = {"dual_clip": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl", "entropy_coef": 0.01}
 VETOED_ROW, REJECTED_ROW = 1, 6
+TEMPERATURE = 0.7
+TRUNCATED_ROWS = (0, 1, 2, 3)
 
 
 def synthetic_batch(vocab: int):
@@ -30,9 +36,31 @@ def synthetic_batch(vocab: int):
         start = 2 + i % 4           # label position of the first response token
         end = WIDTH - (i * 3) % 5   # right padding of varying length
         mask[i, start:end] = 1.0
+    rewards = torch.randint(0, 2, (N,), generator=g).float()
+    support_ids = torch.full((N, WIDTH, 31), -1, dtype=torch.int32)
+    for i in TRUNCATED_ROWS:
+        for t in mask[i].nonzero().flatten().tolist():
+            others = torch.randperm(vocab, generator=g)[:4 + (i * 7 + t * 3) % 27]
+            kept = torch.cat([ids[i, t + 1:t + 2], others[others != ids[i, t + 1]]])
+            support_ids[i, t, :len(kept)] = kept.to(torch.int32)
     return RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=mask,
-                        logp_sparse=torch.zeros(N, WIDTH), rewards=torch.randint(0, 2, (N,), generator=g).float(),
-                        group_ids=torch.arange(N) // GROUP)
+                        logp_sparse=torch.zeros(N, WIDTH), rewards=rewards, group_ids=torch.arange(N) // GROUP,
+                        temperature=TEMPERATURE, support_ids=support_ids)
+
+
+def sampled_distribution_logits(logits: torch.Tensor, batch) -> torch.Tensor:
+    """``logits [N, WIDTH, V]`` as the sampler's distribution has them: divided by the temperature, and
+    -inf outside each truncated position's support (written as a loop over positions, independently
+    of the learner's vocab_parallel.support_mask)."""
+    scaled = logits / batch.temperature
+    outside = torch.zeros_like(scaled, dtype=torch.bool)
+    for i in range(batch.support_ids.shape[0]):
+        for t in range(batch.support_ids.shape[1]):
+            ids = [int(v) for v in batch.support_ids[i, t] if v >= 0]
+            if ids:
+                outside[i, t] = True
+                outside[i, t, ids] = False
+    return scaled.masked_fill(outside, float("-inf"))
 
 
 def fill_loss_inputs(local, dense: torch.Tensor, rows: torch.Tensor, full_rewards: torch.Tensor, group=None):

@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_learner.py: for each job (a TP/PP layout and HF model folders), load
 each model into Megatron at that layout, gather it back, and compute logits, dense logprobs and
-entropies through the pipeline schedule, in float64; rank 0 compares them with transformers computed
+entropies through the pipeline schedule, in float64, at temperature 1 and as sampled at temperature 0.6
+with one row truncated to a support; rank 0 compares them with transformers computed
 wholly in float64 (float_bounds.float64_causal_lm): exactness is the point, and in float32 the
 two would differ by however each CPU's kernels round (up to 2.6e-4 on SmolLM2's logprobs on an
 AVX-512 machine). The jobs of one torchrun session share its processes (Megatron's parallel state is
@@ -28,6 +29,7 @@ from float_bounds import float64_causal_lm, forward_depth  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+TEMPERATURE = 0.6
 IDS = torch.tensor([[3, 9, 27, 31, 50, 7, 11, 13, 2, 5], [8, 6, 4, 2, 1, 3, 5, 7, 9, 10]])
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -82,7 +84,8 @@ def _error_messages(module, model_dir: Path, arch, work: Path) -> dict:
 @torch.no_grad()
 def _logits_and_entropy(model, batch):
     """Full-vocabulary logits [b, s, V] (TP-gathered) and entropies [b, s] (vocab-parallel) through
-    Megatron's pipeline schedule, on the last stage's ranks (None elsewhere)."""
+    Megatron's pipeline schedule, on the last stage's ranks (None elsewhere); the entropies are those of
+    the distribution ``batch`` was sampled from (its temperature and supports)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -96,7 +99,8 @@ def _logits_and_entropy(model, batch):
         output = chunk(mb["input_ids"], torch.arange(s).unsqueeze(0).expand(b, -1), None)
 
         def collect(logits):
-            _, entropy = logprobs_and_entropy(logits, mb["labels"])
+            _, entropy = logprobs_and_entropy(logits, mb["labels"], temperature=batch.temperature,
+                                              support_ids=batch.support_ids)
             return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {
                 "logits": gather_from_tensor_model_parallel_region(logits), "entropy": entropy}
         return output, collect
@@ -161,11 +165,21 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
                          logp_sparse=torch.zeros(2, 9), rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long))
     logp = forward_logprobs(learner.chunks, batch, micro_batch_size=1)
     logits, entropy = _logits_and_entropy(learner.chunks[0], batch)
+    # sampled at temperature 0.6, row 1 truncated to its label and 5 ids spread unevenly over the vocabulary
+    # (every TP rank's slice); row 0 keeps the whole vocabulary
+    sampled = batch.select([0, 1])
+    sampled.temperature = TEMPERATURE
+    sampled.support_ids = torch.full((2, 9, 6), -1, dtype=torch.int32)
+    for k in range(6):
+        sampled.support_ids[1, :, k] = (batch.labels[1] + k * (arch.vocab_size // 7)) % arch.vocab_size
+    sampled_logp = forward_logprobs(learner.chunks, sampled, micro_batch_size=1)
+    _, sampled_entropy = _logits_and_entropy(learner.chunks[0], sampled)
     if pp > 1:  # the last stage's results to the first (rank 0 is on the first stage)
         if logits is None:
             logits = torch.empty(*ids[:, 1:].shape, arch.vocab_size, dtype=torch.float64)
             entropy = torch.empty(ids[:, 1:].shape, dtype=torch.float64)
-        for tensor in (logits, entropy):
+            sampled_entropy = torch.empty(ids[:, 1:].shape, dtype=torch.float64)
+        for tensor in (logits, entropy, sampled_entropy):
             dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
     result = None
@@ -177,6 +191,14 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
         ref_all = torch.log_softmax(ref_logits, -1)
         ref = ref_all.gather(-1, ids[:, 1:, None])[..., 0]
         ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
+        # the sampled distribution, from transformers' logits: divided by the temperature, -inf off the support
+        scaled = ref_logits / TEMPERATURE
+        off_support = torch.ones_like(scaled, dtype=torch.bool)
+        off_support[0] = False
+        off_support[1].scatter_(-1, sampled.support_ids[1].long(), False)
+        ref_sampled_all = torch.log_softmax(scaled.masked_fill(off_support, float("-inf")), -1)
+        ref_sampled = ref_sampled_all.gather(-1, ids[:, 1:, None])[..., 0]
+        ref_sampled_entropy = -(ref_sampled_all.exp() * ref_sampled_all.masked_fill(off_support, 0.0)).sum(-1)
         result = {
             "family": arch.family, "tied": arch.tie_word_embeddings, "head_dim": arch.kv_channels,
             "qkv_bias": arch.has_qkv_bias, "qk_layernorm": arch.qk_layernorm,
@@ -192,6 +214,10 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
             "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
             "max_abs_logprob_diff": float((logp - ref).abs().max()),
             "max_abs_entropy_diff": float((entropy - ref_entropy).abs().max()),
+            "temperature": TEMPERATURE,
+            "max_abs_sampled_logprob_diff": float((sampled_logp - ref_sampled).abs().max()),
+            "max_abs_sampled_entropy_diff": float((sampled_entropy - ref_sampled_entropy).abs().max()),
+            "truncated_entropy_mean": float(ref_sampled_entropy[1].mean()),
             "entropy_mean": float(entropy.mean()),
             "errors": errors,
         }

@@ -71,8 +71,8 @@ def evicting_engine(tiny_model_dir):
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV, allow_request_override=True), seed=0,
-                           max_total_tokens=2048,
-                           max_running_requests=16)
+                           max_total_tokens=2048, max_running_requests=16,
+                           support_top_k=-1)  # (reports supports of any truncation: up to the vocabulary)
     yield engine
     engine.shutdown()
 

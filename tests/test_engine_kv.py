@@ -230,6 +230,64 @@ def test_response_text_is_the_whole_decode_of_its_tokens(evicting_engine, tiny_m
         assert sample.response_text == tokenizer.decode(sample.response_ids, skip_special_tokens=True)
 
 
+def truncated_support(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, slack: float
+                      ) -> torch.Tensor:
+    """``[T, V]`` bool: the tokens a top-k, then top-p truncation of ``softmax(logits / temperature)``
+    keeps, read from SGLang 0.5.23's pytorch sampler (``top_k_top_p_min_p_sampling_from_probs_torch``):
+    sorted by probability, a token is kept if fewer than ``top_k`` are before it and the mass before it
+    (of the untruncated distribution) is at most ``top_p``. ``slack`` > 0 gives the widest set that
+    probabilities off by ``slack`` could give, ``slack`` < 0 the narrowest."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_probs.cumsum(dim=-1) - sorted_probs <= top_p + slack
+    if top_k > 0:  # in the top k: at least the k-th probability (widest), above the (k+1)-th (narrowest)
+        if slack > 0:
+            keep &= sorted_probs >= sorted_probs[:, top_k - 1:top_k] - slack
+        else:
+            keep &= sorted_probs > sorted_probs[:, top_k:top_k + 1] - slack
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 5}, {"top_p": 0.9}, {"top_k": 5, "top_p": 0.9}])
+@pytest.mark.parametrize("name", ["dense", "rkv"])
+def test_truncated_sampling_reports_the_distribution_it_drew_from(evicting_engine, hf_model, truncation, name,
+                                                                  record_property):
+    """At temperature 0.8 with top-k / top-p, each token's reported support is the truncation of the
+    reference decoder's distribution (same eviction), computed here from SGLang's rule, and its reported
+    logprob is the sampled token's probability renormalised over that support: the behaviour
+    probability the correction divides by. Borderline tokens (within float rounding of a cut) may go
+    either way; the truncation must have cut mass somewhere (else nothing is shown)."""
+    temperature, top_k, top_p = 0.8, truncation.get("top_k", -1), truncation.get("top_p", 1.0)
+    case = {"policy": "none"} if name == "dense" else POLICY_CASES[name]
+    samples = evicting_engine.generate([[5, 17, 42, 99, 100, 7, 8, 9, 11, 12], list(range(30, 40))], n_samples=4,
+                                       max_new_tokens=20, temperature=temperature, top_p=top_p, top_k=top_k, seed=21,
+                                       kv_override=case, ignore_eos=True, report_support=True)
+    ref = ReferenceDecoder(hf_model)
+    policy = None if name == "dense" else _policy(case)
+    sizes, cut_mass = [], 0.0
+    for s in samples:
+        logits, _ = ref.logits(s.prompt_ids, s.response_ids, policy, ENGINE_KV["budget"], ENGINE_KV["interval"])
+        assert len(s.support) == len(s.response_ids) == len(s.logp_sparse)
+        widest = truncated_support(logits, temperature, top_k, top_p, slack=1e-5)
+        narrowest = truncated_support(logits, temperature, top_k, top_p, slack=-1e-5)
+        for t, ids in enumerate(s.support):
+            reported = torch.zeros(logits.shape[1], dtype=torch.bool)
+            reported[ids] = True
+            assert len(set(ids)) == len(ids) and s.response_ids[t] in ids, (t, ids)
+            assert bool((reported <= widest[t]).all()) and bool((narrowest[t] <= reported).all()), (t, ids)
+            sizes.append(len(ids))
+        probs = torch.softmax(logits.double() / temperature, dim=-1)
+        cut_mass = max(cut_mass, max(1 - float(probs[t, ids].sum()) for t, ids in enumerate(s.support)))
+        behaviour, _ = ref.logprobs(s.prompt_ids, s.response_ids, policy, ENGINE_KV["budget"], ENGINE_KV["interval"],
+                                    temperature=temperature, supports=s.support)
+        gap = max(abs(a - b) for a, b in zip(behaviour, s.logp_sparse))
+        record_property("max_abs_behaviour_logprob_gap", gap)
+        assert gap < TOL, (truncation, name, gap)
+    assert max(sizes) > 1 and cut_mass > 10 * TOL, (sizes, cut_mass)  # the truncation mattered
+    if top_k > 0:
+        assert max(sizes) <= top_k
+
+
 def test_unknown_override_is_refused_before_reaching_the_engine(evicting_engine):
     with pytest.raises(ValueError, match="unknown KV settings"):
         evicting_engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2, kv_override={"budgett": 4})

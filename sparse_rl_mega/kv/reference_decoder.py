@@ -2,7 +2,8 @@
 
 It is the oracle for the engine patch: it replays a generated sequence token by token (teacher
 forcing) with its own KV cache, compresses that cache exactly when and how the engine does, and
-returns the logprob of every generated token. Users can run it to debug a policy on a few prompts:
+returns the logits or the logprob of every generated token (at a sampling temperature and over a
+top-k / top-p support, as the engine samples). Users can run it to debug a policy on a few prompts:
 
     decoder = ReferenceDecoder(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     logprobs, evicted = decoder.logprobs(prompt_ids, output_ids, build_policy("rkv", sink=4, window=8),
@@ -40,7 +41,7 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def _forward(self, ids: Sequence[int], positions: Sequence[int], state: dict) -> torch.Tensor:
-        """Run ``ids`` at ``positions``, appending to the cache in ``state``; returns logprobs
+        """Run ``ids`` at ``positions``, appending to the cache in ``state``; returns logits
         ``[len(ids), vocab]`` (float32). A single-token call is a decode step: its queries are
         recorded and, for H2O, its attention is accumulated."""
         inner = self.model.model
@@ -74,8 +75,7 @@ class ReferenceDecoder:
                 acc = state["acc"][layer_idx]
                 state["acc"][layer_idx] = torch.cat([acc, acc.new_zeros(acc.shape[0], total - acc.shape[1])], 1) + mass
         state["prefilled"] = True
-        logits = self.model.lm_head(inner.norm(hidden))[0].float()
-        return torch.log_softmax(logits, dim=-1)
+        return self.model.lm_head(inner.norm(hidden))[0].float()
 
     def _compress(self, state: dict, policy: EvictionPolicy, budget: int) -> int:
         """Compress every layer's cache to ``budget`` (per the policy's ``selection``); returns the
@@ -100,17 +100,17 @@ class ReferenceDecoder:
         return cached - budget
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                 policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1,
-                 newline_token_ids: Sequence[int] = ()) -> tuple[list[float], int]:
-        """Logprob of each ``output_ids[t]`` given the prompt and earlier outputs, compressing as the
-        engine does (``policy`` None: dense; ``newline_token_ids``: the newline trigger's tokens).
-        Returns ``(logprobs, evicted_token_count)``."""
+    def logits(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
+               policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1,
+               newline_token_ids: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
+        """The logits ``[len(output_ids), vocab]`` (float32) that predict each ``output_ids[t]`` given the
+        prompt and earlier outputs, compressing as the engine does (``policy`` None: dense;
+        ``newline_token_ids``: the newline trigger's tokens). Returns ``(logits, evicted_token_count)``."""
         layers = len(self.model.model.layers)
         empty = torch.zeros(self.num_kv_heads, 0, self.head_dim)
         state = {"k": [empty] * layers, "v": [empty] * layers, "queries": [[] for _ in range(layers)],
                  "acc": [torch.zeros(self.num_kv_heads, len(prompt_ids)) for _ in range(layers)], "prefilled": False}
-        logprobs = [float(self._forward(prompt_ids, range(len(prompt_ids)), state)[-1, output_ids[0]])]
+        steps = [self._forward(prompt_ids, range(len(prompt_ids)), state)[-1]]
         evicted = 0
         for t in range(1, len(output_ids)):
             cached = state["k"][0].shape[1]
@@ -119,5 +119,22 @@ class ReferenceDecoder:
                                                       output_ids[t - 1] in newline_token_ids):
                 evicted += self._compress(state, policy, budget)
             position = len(prompt_ids) + t - 1
-            logprobs.append(float(self._forward([output_ids[t - 1]], [position], state)[-1, output_ids[t]]))
-        return logprobs, evicted
+            steps.append(self._forward([output_ids[t - 1]], [position], state)[-1])
+        return torch.stack(steps), evicted
+
+    def logprobs(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1,
+                 newline_token_ids: Sequence[int] = (), temperature: float = 1.0,
+                 supports: Optional[Sequence[Sequence[int]]] = None) -> tuple[list[float], int]:
+        """Logprob of each ``output_ids[t]`` under ``softmax(logits / temperature)`` (:meth:`logits`),
+        renormalised over ``supports[t]`` when given (the ids a top-k / top-p truncation kept), as the
+        engine samples. Returns ``(logprobs, evicted_token_count)``."""
+        logits, evicted = self.logits(prompt_ids, output_ids, policy, budget, interval, newline_token_ids)
+        scaled = logits / temperature
+        if supports is not None:
+            outside = torch.ones_like(scaled, dtype=torch.bool)
+            for t, ids in enumerate(supports):
+                outside[t, list(ids)] = False
+            scaled = scaled.masked_fill(outside, float("-inf"))
+        logp = torch.log_softmax(scaled, dim=-1).gather(-1, torch.tensor(list(output_ids))[:, None])[:, 0]
+        return logp.tolist(), evicted

@@ -113,3 +113,18 @@ def dense_sampler_k3(metrics: dict[str, float], max_staleness: int) -> Optional[
     with the learner's current weights (all of them with ``max_staleness`` 0; those of staleness 0
     otherwise), which only rounding may cause; None when there are none."""
     return metrics.get("mismatch/k3_staleness0" if max_staleness else "mismatch/k3")
+
+
+def dense_mismatch_warning(iteration: int, metrics: dict[str, float], dtype: str, rollout) -> Optional[str]:
+    """The console's warning when an iteration's ``mismatch/dense_sampler_k3`` exceeds what rounding
+    explains (:func:`dense_k3_bound`): the learner's old policy is then not the distribution the engines
+    sampled from, and the correction rejects and reweights tokens for a mismatch that does not exist.
+    None otherwise (and for an iteration without the metric: compressed rollouts)."""
+    k3 = metrics.get("mismatch/dense_sampler_k3")
+    bound = dense_k3_bound(dtype, rollout.temperature)
+    if k3 is None or k3 <= bound:
+        return None
+    return (f"[warn] iteration {iteration + 1}: dense rollouts differ from the learner's old policy by k3 {k3:.2e}, "
+            f"more than {dtype} rounding explains ({bound:.1e} at temperature {rollout.temperature:g}): the learner "
+            f"does not recompute the distribution the engines sample from (temperature {rollout.temperature:g}, "
+            f"top_p {rollout.top_p:g}, top_k {rollout.top_k}) or holds other weights")

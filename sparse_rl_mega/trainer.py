@@ -484,21 +484,14 @@ class Trainer:
             log(saved_line)
 
     def warn_dense_mismatch(self, iteration: int, metrics: dict[str, float]) -> None:
-        """Rank 0, once per run: a dense sampler's mismatch above what float rounding explains means the
-        learner's old policy is not the distribution the engines sampled from (the correction then
-        rejects and reweights for a mismatch that does not exist)."""
-        from sparse_rl_mega.step_metrics import dense_k3_bound
+        """Rank 0, once per run: the warning of :func:`step_metrics.dense_mismatch_warning`, if any."""
+        from sparse_rl_mega.step_metrics import dense_mismatch_warning
 
-        k3 = metrics.get("mismatch/dense_sampler_k3")
-        r = self.cfg.rollout
-        bound = dense_k3_bound(self.cfg.model.dtype, r.temperature)
-        if k3 is None or k3 <= bound or self.warned_dense_mismatch:
-            return
-        self.warned_dense_mismatch = True
-        log(f"[warn] iteration {iteration + 1}: dense rollouts differ from the learner's old policy by k3 {k3:.2e}, "
-            f"more than {self.cfg.model.dtype} rounding explains ({bound:.1e} at temperature {r.temperature:g}): "
-            f"the learner does not recompute the distribution the engines sample from (temperature "
-            f"{r.temperature:g}, top_p {r.top_p:g}, top_k {r.top_k}, or other weights)")
+        if not self.warned_dense_mismatch:
+            warning = dense_mismatch_warning(iteration, metrics, self.cfg.model.dtype, self.cfg.rollout)
+            if warning is not None:
+                self.warned_dense_mismatch = True
+                log(warning)
 
     def report_end(self, loop_started: float) -> None:
         """The held-out before/after table, the loop's time, where the run went."""

@@ -27,14 +27,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from sparse_rl_mega.step_metrics import dense_k3_bound
 from tests.conftest import ROOT, run_tool, write_test_config
 from tools.bench_overlap import SEPARATE
 from tools.chaos import compare, final_state, metrics_by_iteration
 
 ITERATIONS = 5
 # on top of bench_overlap's SEPARATE layout (one learner rank, one separate engine, broadcast)
+# dense rollouts sampled at temperature 0.6 with top-k 5 and top-p 0.7: every learner pass (old policy,
+# training, reference) must reproduce that distribution, and the batch ahead carries its supports
+# through a checkpoint
 OVERRIDES = ["rollout.kv_compression.policy=none", "checkpoint.save_interval=2", "checkpoint.keep_last=3",
-             "rollout.max_staleness=1"]
+             "rollout.max_staleness=1", "rollout.temperature=0.6", "rollout.top_k=5", "rollout.top_p=0.7"]
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +68,16 @@ def test_samples_are_one_version_old_and_corrected_against_current_weights(overl
     assert [metrics[i]["rollout/staleness_max"] for i in range(ITERATIONS)] == [0, 1, 1, 1, 1]
     assert all(metrics[i]["rollout/stale_dropped_samples"] == 0 for i in range(ITERATIONS))
     assert [metrics[i]["sync/weight_version"] for i in range(ITERATIONS)] == [1, 2, 3, 4, 5]  # a push every iteration
-    # dense sampler: fresh samples match the learner to float noise; one-version-old samples differ by
-    # what one iteration of training changed, measured against the learner's current weights
-    # (k3 = exp(d) - 1 - d <= d^2 for the |d| <= 1e-4 that an engine and the learner differ by after a push)
-    assert metrics[0]["mismatch/k3_staleness0"] < 1e-4 ** 2
+    # dense sampler: fresh samples match the learner's old policy to float rounding at the sampling
+    # temperature over the truncation's supports (step_metrics.dense_k3_bound: k3 <= exp(tau) - 1 - tau,
+    # tau = 1e-4 / 0.6), so nothing is rejected; one-version-old samples differ by what one iteration of
+    # training changed, measured against the learner's current weights
+    assert metrics[0]["mismatch/dense_sampler_k3"] == metrics[0]["mismatch/k3_staleness0"]
+    assert metrics[0]["mismatch/dense_sampler_k3"] <= dense_k3_bound("float32", 0.6), metrics[0]
+    assert metrics[0]["correction/token_rejected_fraction"] == metrics[0]["correction/veto_fraction"] == 0
+    assert "[warn]" not in proc.stdout
     for i in range(1, ITERATIONS):
-        assert "mismatch/k3_staleness0" not in metrics[i]
+        assert "mismatch/k3_staleness0" not in metrics[i] and "mismatch/dense_sampler_k3" not in metrics[i]
         assert metrics[i]["mismatch/k3_staleness1"] > 1e-4, metrics[i]
     assert "(samples 1.0 versions old" in proc.stdout
 

@@ -70,6 +70,9 @@ def test_examples_load():
      "must divide model.arch.vocab_size=383"),
     (lambda r: r["model"].update(fp8="e4m3"), "model.fp8", "transformer_engine"),
     (lambda r: r["rollout"].update(n_samples_per_prompt=1), "rollout.n_samples_per_prompt", "at least 2"),
+    (lambda r: r["rollout"].update(top_k=1), "rollout.top_k", "1 is greedy"),
+    (lambda r: r["rollout"].update(top_k=0), "rollout.top_k", "must be -1 (off) or >= 2"),
+    (lambda r: r["rollout"].update(min_p=0.05), "rollout.min_p", "cannot draw min-p with a per-request seed"),
     (lambda r: r["algorithm"]["correction"].update(reject_low=1.2), "algorithm.correction", "low < 1 < high"),
     (lambda r: r["algorithm"]["correction"].update(token_reject_low=0.5), "algorithm.correction.token_reject_low",
      "unknown key"),
@@ -146,6 +149,20 @@ def test_a_policy_of_another_package_is_configured_planned_and_checked(tmp_path)
     bad = _write_variant(tmp_path, lambda r: r["rollout"].update(kv_compression={**kv, "params": {"power": 0}}))
     with pytest.raises(ConfigError, match=r"rollout\.kv_compression\.params\.power: keynorm: power must be >= 1"):
         load_config(bad)
+
+
+def test_dry_run_says_how_rollouts_sample():
+    """--dry-run's sampling line: the temperature the learner divides by, the truncation and the support
+    it carries (bounded by top_k; top-p alone can carry the whole vocabulary per token)."""
+    from tools.launch import sampling_line
+
+    assert sampling_line(load_config(CPU_TINY).rollout) == "temperature 1"
+    both = load_config(CPU_TINY, ["rollout.temperature=0.6", "rollout.top_k=5", "rollout.top_p=0.7"]).rollout
+    assert sampling_line(both) == ("temperature 0.6, top_k 5, top_p 0.7; the learner's log-probabilities divide the "
+                                   "logits by it; the learner renormalises over each token's support as the engines "
+                                   "report it (at most 5 ids)")
+    assert "up to the whole vocabulary: a top_k bounds it" in sampling_line(
+        load_config(CPU_TINY, ["rollout.top_p=0.9"]).rollout)
 
 
 def test_dry_run_of_70b_shows_its_scale():

@@ -81,6 +81,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+
+def sampling_line(r) -> str:
+    """The rollout's sampling distribution, and what the learner does to recompute it."""
+    truncation = ", ".join(part for part in (f"top_k {r.top_k}" if r.top_k > 0 else "",
+                                             f"top_p {r.top_p:g}" if r.top_p < 1 else "") if part)
+    line = f"temperature {r.temperature:g}" + (f", {truncation}" if truncation else "")
+    line += "; the learner's log-probabilities divide the logits by it" if r.temperature != 1 else ""
+    if r.truncates:
+        most = f"at most {r.top_k} ids" if r.top_k > 0 else "up to the whole vocabulary: a top_k bounds it"
+        line += f"; the learner renormalises over each token's support as the engines report it ({most})"
+    return line
+
 def describe_layout(cfg: RunConfig) -> str:
     p, r, kv, m = cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -116,6 +128,7 @@ def describe_layout(cfg: RunConfig) -> str:
         f"{f', one batch ahead (max_staleness {r.max_staleness})' if r.max_staleness else ''}; "
         f"{cfg.data.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples, "
         f"max {r.max_new_tokens} new tokens",
+        f"sampling   {sampling_line(r)}",
         f"kv         {kv_line}",
         f"optimizer  {cfg.samples_per_iteration} samples/iteration -> {cfg.optimizer_steps_per_iteration} step(s) of "
         f"{cfg.trainer.global_batch_size} (micro-batch {cfg.trainer.micro_batch_size}); "

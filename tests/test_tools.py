@@ -1,6 +1,7 @@
 """Every script in tools/ runs in the suite, so none can rot unseen. Here: each one's ``--help`` (run as a
 user runs it, in a fresh process), the data generator against the committed data it made, the GPU
-check's CPU verdict, and one real call of the weight-sync and rollout benchmarks on the tiny model.
+check's CPU verdict, and one real call of the weight-sync, rollout and sampling-support benchmarks on the
+tiny model.
 Elsewhere: launch.py (tests/conftest.py: run_launch, e2e_run), prepare_model.py (tests/test_learner.py), prepare_data.py
 (tests/test_data_math.py), evaluate.py (tests/test_evaluate.py), export_hf.py (tests/test_export_hf.py,
 tests/test_resume.py), ablation.py (tests/test_ablation.py), bench_overlap.py and chaos.py with a chosen
@@ -17,7 +18,8 @@ SCRIPTS = sorted(p.name for p in (ROOT / "tools").iterdir() if p.suffix in (".py
 # where each script is run for real (this module or another)
 RUN_BY = {
     "ablation.py": "tests/test_ablation.py", "bench_overlap.py": "tests/test_overlap.py",
-    "bench_rollout.py": "tests/test_tools.py", "bench_sync.py": "tests/test_tools.py",
+    "bench_rollout.py": "tests/test_tools.py", "bench_sampling.py": "tests/test_tools.py",
+    "bench_sync.py": "tests/test_tools.py",
     "chaos.py": "tests/test_overlap.py", "evaluate.py": "tests/test_evaluate.py",
     "export_hf.py": "tests/test_export_hf.py", "gpu_check.sh": "tests/test_tools.py",
     "launch.py": "tests/conftest.py", "make_arith_data.py": "tests/test_tools.py",
@@ -89,3 +91,21 @@ def test_bench_rollout_compares_a_policy_with_dense_on_the_tiny_model(tiny_model
     # streaming's 721 in a user's --repeats 1 run): every variant runs once, untimed, first
     assert "[bench] warm-up: 2 variant(s) x 1 request x 8 new tokens in " in done.stdout, done.stdout[-3000:]
     assert done.stdout.index("[bench] warm-up:") < done.stdout.index("  dense: ")
+
+
+def test_bench_sampling_measures_what_supports_cost_on_the_tiny_model(tiny_model_dir, tmp_path):
+    """top-k 5 with and without supports on one engine: every token of the supported run carries at
+    most 5 ids, and the ratios come last; a malformed truncation is one line."""
+    out = tmp_path / "sampling.json"
+    done = run_tool(ROOT / "tools" / "bench_sampling.py", "--model", tiny_model_dir, "--requests", "4",
+                    "--prompt-tokens", "8", "--new-tokens", "16", "--truncations", "top_k=5", "--repeats", "1",
+                    "--json", out, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    supported = figures["variants"]["top_k=5/support"]
+    assert 1 <= supported["support_mean"] <= supported["support_max"] <= 5
+    assert supported["reply_bytes_per_token"] == 4 * supported["support_mean"]
+    assert "support_mean" not in figures["variants"]["top_k=5/logprob"]
+    assert done.stdout.splitlines()[-1].startswith("support_mask_over_log_softmax=")
+    bad = run_tool(ROOT / "tools" / "bench_sampling.py", "--truncations", "top_k=1", timeout=120)
+    assert bad.returncode != 0 and "top_k=1" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

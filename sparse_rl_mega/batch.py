@@ -8,7 +8,10 @@ width ``S``; ``response_mask[i, t]`` is 1 where ``labels[i, t]`` is a sampled re
 
 A batch also says how its tokens were drawn, which every learner pass must reproduce: the sampling
 ``temperature`` (the engine's logprobs are those of ``softmax(logits / temperature)``) and, when the
-engine truncated the distribution (top-k / top-p), the ``support_ids`` each token was drawn from.
+engine truncated the distribution (top-k / top-p), the support each token was drawn from: per row its
+positions' ids one after another (``support_ids``) and how many each position has
+(``support_counts``), compact whatever the widest support; :meth:`RolloutBatch.padded_supports` pads
+a micro-batch's rows when the learner needs them.
 """
 from __future__ import annotations
 
@@ -51,7 +54,8 @@ class RolloutBatch:
     response_texts: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     temperature: float = 1.0                    # the sampling temperature of logp_sparse
-    support_ids: Optional[torch.Tensor] = None  # [N, S, K] int32: the truncation's kept ids per label, -1 pad
+    support_counts: Optional[torch.Tensor] = None  # [N, S] int32: ids in each label's support (0: whole vocabulary)
+    support_ids: list[torch.Tensor] = field(default_factory=list)  # per row [support_counts[i].sum()] int32
 
     @property
     def size(self) -> int:
@@ -60,6 +64,19 @@ class RolloutBatch:
     @property
     def width(self) -> int:
         return self.input_ids.shape[1]
+
+    def padded_supports(self, rows: slice) -> Optional[torch.Tensor]:
+        """The supports of rows ``rows`` as ``[b, S, K]`` int32, ``K`` the widest among them, -1 padding
+        (a position without a support: all -1); None when the batch was not truncated."""
+        if self.support_counts is None:
+            return None
+        counts = self.support_counts[rows].long()  # [b, S]
+        out = torch.full((*counts.shape, max(int(counts.max()), 1)), -1, dtype=torch.int32)
+        for row, (row_counts, ids) in enumerate(zip(counts, self.support_ids[rows])):
+            position = torch.repeat_interleave(torch.arange(counts.shape[1]), row_counts)
+            first = torch.repeat_interleave(row_counts.cumsum(0) - row_counts, row_counts)  # of its position's ids
+            out[row, position, torch.arange(ids.numel()) - first] = ids
+        return out
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> "RolloutBatch":
         """Rows ``indices`` of every tensor (lists follow)."""
@@ -78,8 +95,8 @@ class RolloutBatch:
 
 def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], pad_id: int = 0,
                  temperature: float = 1.0) -> RolloutBatch:
-    """Pack engine samples (groups contiguous), drawn at ``temperature``, into a :class:`RolloutBatch`;
-    their supports (if any was truncated) into ``support_ids``, as wide as the largest support."""
+    """Pack engine samples (groups contiguous), drawn at ``temperature``, into a :class:`RolloutBatch`,
+    with their supports if they were truncated."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
     n = len(samples)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -94,21 +111,20 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
         start = len(s.prompt_ids) - 1  # label position of the first response token
         response_mask[i, start:start + len(s.response_ids)] = 1.0
         logp_sparse[i, start:start + len(s.response_ids)] = torch.tensor(s.logp_sparse, dtype=torch.float32)
-    support_ids = None
+    support_counts, support_ids = None, []
     if any(s.support is not None for s in samples):
-        widest = max(len(ids) for s in samples for ids in (s.support or [[]]))
-        support_ids = torch.full((n, width, widest), -1, dtype=torch.int32)
+        support_counts = torch.zeros(n, width, dtype=torch.int32)
         for i, s in enumerate(samples):
             if s.support is None or len(s.support) != len(s.response_ids):
                 raise ValueError(f"sample {i} has {len(s.support or [])} sampling supports for its "
                                  f"{len(s.response_ids)} response tokens")
             start = len(s.prompt_ids) - 1
-            for t, ids in enumerate(s.support):
-                support_ids[i, start + t, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            support_counts[i, start:start + len(s.support)] = torch.tensor([len(ids) for ids in s.support])
+            support_ids.append(torch.tensor([t for ids in s.support for t in ids], dtype=torch.int32))
     return RolloutBatch(input_ids=input_ids, labels=labels, response_mask=response_mask, logp_sparse=logp_sparse,
                         rewards=torch.tensor(list(rewards), dtype=torch.float32),
                         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
                         weight_versions=torch.tensor([int(s.weight_version or 0) for s in samples], dtype=torch.long),
                         response_texts=[s.response_text for s in samples],
                         finish_reasons=[s.finish_reason for s in samples], temperature=temperature,
-                        support_ids=support_ids)
+                        support_counts=support_counts, support_ids=support_ids)

@@ -395,3 +395,34 @@ def test_data_parallel_split_equals_whole_batch():
         for name, value in metrics.items():
             assert parts[0][key][2][name] == pytest.approx(value, rel=1e-12, abs=1e-15), (key, name)
             assert parts[1][key][2][name] == parts[0][key][2][name]
+
+
+def test_sampling_supports_reach_the_label_positions_they_were_drawn_at():
+    """pack_samples keeps each sample's supports compact (counts + ids per row); a selection of rows and
+    padded_supports give back, at each response token's label position, exactly the ids it was drawn
+    among (-1 padding, nothing off the response); support_mask marks them on each TP rank's slice of
+    the vocabulary, and every token of a position without a support."""
+    from sparse_rl_mega.batch import GeneratedSample, pack_samples
+    from sparse_rl_mega.learner.vocab_parallel import support_mask
+
+    samples = [GeneratedSample(0, [1, 2, 3], [7, 8], [-0.1, -0.2], "", "stop", support=[[7, 9], [8, 1, 2, 30]]),
+               GeneratedSample(0, [4, 5], [6, 7, 9], [-0.3, 0.0, -0.5], "", "stop", support=[[6], [7, 31], [9, 0]])]
+    batch = pack_samples(samples, [1.0, 0.0], temperature=0.6)
+    assert batch.temperature == 0.6 and batch.support_counts.tolist() == [[0, 0, 2, 4], [0, 1, 2, 2]]
+    assert [ids.numel() for ids in batch.support_ids] == [6, 5]
+    padded = batch.select([1, 0]).padded_supports(slice(0, 2))  # [2, S, K]: K the widest, 4
+    assert padded.shape == (2, 4, 4) and padded.dtype == torch.int32
+    assert padded[1, 2].tolist() == [7, 9, -1, -1] and padded[1, 3].tolist() == [8, 1, 2, 30]
+    assert padded[0, 1].tolist() == [6, -1, -1, -1] and padded[0, 3].tolist() == [9, 0, -1, -1]
+    assert (padded[:, 0] == -1).all() and (padded[1, 1] == -1).all()
+    vocab = 32
+    for start, width in ((0, 16), (16, 16)):  # TP2: each rank's slice
+        mask = support_mask(padded, start, width)
+        for row in range(2):
+            for pos in range(4):
+                ids = [int(v) for v in padded[row, pos] if v >= 0]
+                want = [start <= v < start + width for v in range(vocab)] if not ids else \
+                    [v in ids and start <= v < start + width for v in range(vocab)]
+                assert mask[row, pos].tolist() == want[start:start + width], (start, row, pos)
+    with pytest.raises(ValueError, match="sample 0 has 1 sampling supports for its 2 response tokens"):
+        pack_samples([GeneratedSample(0, [1], [7, 8], [0.0, 0.0], "", "stop", support=[[7]])], [0.0])

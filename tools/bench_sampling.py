@@ -6,9 +6,8 @@ The same prompts are decoded (dense KV, ``ignore_eos``, a fixed length, temperat
 with each truncation in ``--truncations`` twice: once reporting only the sampled tokens' logprobs (what
 the trainer did before it renormalised over supports) and once reporting every token's support. For
 each, the fastest of ``--repeats`` runs gives output tokens/s; with supports also the mean and largest
-support (ids per token) and the bytes a token carries to the learner: 4 per support id (int32) over
-the engine's reply, and in the packed batch ``4 x`` the widest support of the batch (``support_ids``
-is padded to it). Last, on the learner's side, the support mask that ``vocab_parallel`` builds per
+support (ids per token) and the bytes a token carries to the learner: 4 per support id (int32), and
+4 more for its count in the packed batch (the learner pads a micro-batch's supports to its widest). Last, on the learner's side, the support mask that ``vocab_parallel`` builds per
 micro-batch against a log-softmax of the same logits ``[--mask-batch, --new-tokens, vocab]``.
 
 Prints ``name=value`` lines, the ratios last (with support / without), and writes ``--json``.
@@ -88,8 +87,9 @@ def run_variant(engine, prompts, args, truncation: dict, report_support: bool) -
     out = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
     if report_support:
         sizes = [len(ids) for s in samples for ids in s.support]
-        out.update(support_mean=sum(sizes) / len(sizes), support_max=max(sizes),
-                   reply_bytes_per_token=4 * sum(sizes) / len(sizes), batch_bytes_per_token=4 * max(sizes))
+        mean = sum(sizes) / len(sizes)
+        out.update(support_mean=mean, support_max=max(sizes), reply_bytes_per_token=4 * mean,
+                   batch_bytes_per_token=4 * mean + 4)
     return out
 
 
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                 name = f"{text}/{'support' if report else 'logprob'}"
                 figures["variants"][name] = result = run_variant(engine, prompts, args, truncation, report)
                 extra = (f", support {result['support_mean']:.1f} ids mean, {result['support_max']} max: "
-                         f"{result['reply_bytes_per_token']:.0f} B/token replied, {result['batch_bytes_per_token']} "
+                         f"{result['reply_bytes_per_token']:.0f} B/token replied, {result['batch_bytes_per_token']:.0f} "
                          f"B/token in the batch" if report else "")
                 print(f"  {name}: {result['tokens_per_s']:.1f} tok/s{extra}", flush=True)
     finally:

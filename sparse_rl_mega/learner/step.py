@@ -71,8 +71,8 @@ def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: 
         n = batch.input_ids[rows].shape[0]
         mb = {"input_ids": local(batch.input_ids[rows]), "labels": local(batch.labels[rows]),
               "position_ids": local(positions.expand(n, -1))}
-        if batch.support_ids is not None:  # [b, width / cp, K]: the sampler's top-k / top-p supports
-            mb["support_ids"] = local(batch.support_ids[rows], fill=-1)
+        if batch.support_counts is not None:  # [b, width / cp, K]: the sampler's top-k / top-p supports
+            mb["support_ids"] = local(batch.padded_supports(rows), fill=-1)
         if with_loss_inputs:
             for name in _LOSS_INPUTS:
                 value = getattr(batch, name)

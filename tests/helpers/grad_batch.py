@@ -26,7 +26,8 @@ TEMPERATURE = 0.7
 TRUNCATED_ROWS = (0, 1, 2, 3)
 
 
-def synthetic_batch(vocab: int):
+def _synthetic(vocab: int):
+    """The batch and its supports as ``{(row, label position): [ids]}``."""
     from sparse_rl_mega.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(1234)
@@ -37,29 +38,35 @@ def synthetic_batch(vocab: int):
         end = WIDTH - (i * 3) % 5   # right padding of varying length
         mask[i, start:end] = 1.0
     rewards = torch.randint(0, 2, (N,), generator=g).float()
-    support_ids = torch.full((N, WIDTH, 31), -1, dtype=torch.int32)
+    supports = {}
     for i in TRUNCATED_ROWS:
         for t in mask[i].nonzero().flatten().tolist():
             others = torch.randperm(vocab, generator=g)[:4 + (i * 7 + t * 3) % 27]
-            kept = torch.cat([ids[i, t + 1:t + 2], others[others != ids[i, t + 1]]])
-            support_ids[i, t, :len(kept)] = kept.to(torch.int32)
-    return RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=mask,
-                        logp_sparse=torch.zeros(N, WIDTH), rewards=rewards, group_ids=torch.arange(N) // GROUP,
-                        temperature=TEMPERATURE, support_ids=support_ids)
+            supports[(i, t)] = [int(ids[i, t + 1])] + [int(v) for v in others if v != ids[i, t + 1]]
+    counts = torch.zeros(N, WIDTH, dtype=torch.int32)
+    for (i, t), kept in supports.items():
+        counts[i, t] = len(kept)
+    rows = [torch.tensor([v for t in range(WIDTH) for v in supports.get((i, t), [])], dtype=torch.int32)
+            for i in range(N)]
+    batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=mask,
+                         logp_sparse=torch.zeros(N, WIDTH), rewards=rewards, group_ids=torch.arange(N) // GROUP,
+                         temperature=TEMPERATURE, support_counts=counts, support_ids=rows)
+    return batch, supports
+
+
+def synthetic_batch(vocab: int):
+    return _synthetic(vocab)[0]
 
 
 def sampled_distribution_logits(logits: torch.Tensor, batch) -> torch.Tensor:
     """``logits [N, WIDTH, V]`` as the sampler's distribution has them: divided by the temperature, and
-    -inf outside each truncated position's support (written as a loop over positions, independently
-    of the learner's vocab_parallel.support_mask)."""
+    -inf outside each truncated position's support (from the supports as drawn, not from the batch's
+    packed form)."""
     scaled = logits / batch.temperature
     outside = torch.zeros_like(scaled, dtype=torch.bool)
-    for i in range(batch.support_ids.shape[0]):
-        for t in range(batch.support_ids.shape[1]):
-            ids = [int(v) for v in batch.support_ids[i, t] if v >= 0]
-            if ids:
-                outside[i, t] = True
-                outside[i, t, ids] = False
+    for (i, t), kept in _synthetic(logits.shape[-1])[1].items():
+        outside[i, t] = True
+        outside[i, t, kept] = False
     return scaled.masked_fill(outside, float("-inf"))
 
 

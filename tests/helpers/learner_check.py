@@ -100,7 +100,7 @@ def _logits_and_entropy(model, batch):
 
         def collect(logits):
             _, entropy = logprobs_and_entropy(logits, mb["labels"], temperature=batch.temperature,
-                                              support_ids=batch.support_ids)
+                                              support_ids=batch.padded_supports(slice(None)))
             return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {
                 "logits": gather_from_tensor_model_parallel_region(logits), "entropy": entropy}
         return output, collect
@@ -169,9 +169,9 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     # (every TP rank's slice); row 0 keeps the whole vocabulary
     sampled = batch.select([0, 1])
     sampled.temperature = TEMPERATURE
-    sampled.support_ids = torch.full((2, 9, 6), -1, dtype=torch.int32)
-    for k in range(6):
-        sampled.support_ids[1, :, k] = (batch.labels[1] + k * (arch.vocab_size // 7)) % arch.vocab_size
+    support = torch.stack([(batch.labels[1] + k * (arch.vocab_size // 7)) % arch.vocab_size for k in range(6)], 1)
+    sampled.support_counts = torch.tensor([[0] * 9, [6] * 9], dtype=torch.int32)
+    sampled.support_ids = [torch.zeros(0, dtype=torch.int32), support.reshape(-1).to(torch.int32)]
     sampled_logp = forward_logprobs(learner.chunks, sampled, micro_batch_size=1)
     _, sampled_entropy = _logits_and_entropy(learner.chunks[0], sampled)
     if pp > 1:  # the last stage's results to the first (rank 0 is on the first stage)
@@ -195,7 +195,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
         scaled = ref_logits / TEMPERATURE
         off_support = torch.ones_like(scaled, dtype=torch.bool)
         off_support[0] = False
-        off_support[1].scatter_(-1, sampled.support_ids[1].long(), False)
+        off_support[1].scatter_(-1, support, False)
         ref_sampled_all = torch.log_softmax(scaled.masked_fill(off_support, float("-inf")), -1)
         ref_sampled = ref_sampled_all.gather(-1, ids[:, 1:, None])[..., 0]
         ref_sampled_entropy = -(ref_sampled_all.exp() * ref_sampled_all.masked_fill(off_support, 0.0)).sum(-1)

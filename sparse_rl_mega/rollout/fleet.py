@@ -290,7 +290,9 @@ class EngineFleet:
         return max(gather_given(value), default=float("nan"))
 
     def learner_logprobs(self, probe_ids: list[int]) -> list[float]:
-        """The learner's dense logprobs of ``probe_ids[1:]``."""
+        """The learner's dense logprobs of ``probe_ids[1:]`` at temperature 1 over the whole vocabulary,
+        as the engine's greedy prefill (``dense_logprobs``) computes them: the weight check compares
+        weights, not sampling settings."""
         from sparse_rl_mega.batch import RolloutBatch
         from sparse_rl_mega.learner.step import forward_logprobs
 

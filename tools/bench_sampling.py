@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-DEFAULT_MODEL = ROOT / "runs" / "assets" / "tiny-llama-sums"
+from tools.bench_rollout import DEFAULT_MODEL, ensure_model  # noqa: E402 (after the path; the same model)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,18 +60,6 @@ def parse_truncation(text: str) -> dict:
         else:
             sys.exit(f"--truncations: {part!r}: expected top_k=K (K >= 2) or top_p=P (0 < P < 1)")
     return out
-
-
-def ensure_model(path: Path) -> None:
-    if (path / "config.json").is_file():
-        return
-    if path != DEFAULT_MODEL:
-        sys.exit(f"--model {path}: no HF model folder there")
-    from sparse_rl_mega.config import load_config
-    from sparse_rl_mega.models.tiny import build_tiny_model
-
-    cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml")
-    build_tiny_model(path, cfg.model.arch, cfg.model.create_tiny, str(ROOT / cfg.data.train_path))
 
 
 def run_variant(engine, prompts, args, truncation: dict, report_support: bool) -> dict:

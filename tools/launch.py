@@ -81,7 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-
 def sampling_line(r) -> str:
     """The rollout's sampling distribution, and what the learner does to recompute it."""
     truncation = ", ".join(part for part in (f"top_k {r.top_k}" if r.top_k > 0 else "",
@@ -92,6 +91,7 @@ def sampling_line(r) -> str:
         most = f"at most {r.top_k} ids" if r.top_k > 0 else "up to the whole vocabulary: a top_k bounds it"
         line += f"; the learner renormalises over each token's support as the engines report it ({most})"
     return line
+
 
 def describe_layout(cfg: RunConfig) -> str:
     p, r, kv, m = cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.model

@@ -55,9 +55,10 @@ def _context_parallel() -> tuple[int, int, Optional[dist.ProcessGroup]]:
 def _microbatches(batch: RolloutBatch, micro_batch_size: int, with_loss_inputs: bool, width: int,
                   cp_size: int = 1, cp_rank: int = 0, device: torch.device = torch.device("cpu")) -> list[dict]:
     """Micro-batches of ``batch`` as this rank feeds them to its model, on ``device``: ``[b, S]``
-    tensors (and the ``[b, S, K]`` sampling supports, if any) right-padded to ``width`` (padding is masked out of the loss) and cut to this CP rank's
-    chunks when CP > 1, ``[b]`` advantages and response-token counts (``response_tokens``), and with CP
-    the whole sequences' kept-token counts (``seq_tokens``)."""
+    tensors (and the ``[b, S, K]`` sampling supports, if any) right-padded to ``width`` (padding is
+    masked out of the loss) and cut to this CP rank's chunks when CP > 1, ``[b]`` advantages and
+    response-token counts (``response_tokens``), and with CP the whole sequences' kept-token counts
+    (``seq_tokens``)."""
     def local(tensor: torch.Tensor, fill: int = 0) -> torch.Tensor:  # [b, S, ...] -> [b, width / cp, ...]
         if width > tensor.shape[1]:
             pad = tensor.new_full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill)
@@ -125,8 +126,8 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
     """Dense logprobs of ``batch.labels`` ``[N, S]`` (float32) from ``chunks`` (a learner's DDP chunks
     or a frozen reference model's chunks; one module is taken as one chunk), returned on every rank of
     the pipeline group: those of the distribution the batch was sampled from (``batch.temperature``,
-    renormalised over ``batch.support_ids`` when the sampler truncated). The interleaved schedule needs a multiple of PP micro-batches: copies of the
-    last row fill the last group and are dropped."""
+    renormalised over the batch's supports when the sampler truncated). The interleaved schedule needs
+    a multiple of PP micro-batches: copies of the last row fill the last group and are dropped."""
     from megatron.core import parallel_state as ps
 
     chunks = as_chunks(chunks)

@@ -128,7 +128,14 @@ def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None
 
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a helper script under torchrun on loopback with a free port (output captured), its ranks
-    forked from a process that imported the learner once (tests/helpers/torchrun_forked.py)."""
+    forked from a process that imported the learner once (tests/helpers/torchrun_forked.py). On a CUDA
+    machine the ranks are exec'd by torchrun itself, as a GPU launch's are (a fork must not inherit a
+    CUDA context, and the fork server's preload imports SGLang, which a GPU check machine may lack)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return run_captured([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                             script, *args], timeout)
     return run_tool(ROOT / "tests" / "helpers" / "torchrun_forked.py", nproc, script, *args, timeout=timeout)
 
 

@@ -3,8 +3,9 @@
 * eviction scoring and the batched attention mass on CUDA tensors choose exactly what they choose
   on the CPU (the engine patch calls them with the KV pool's device tensors);
 * the correction on CUDA equals the CPU's;
-* the Megatron learner with Transformer Engine layers (float32 and bf16) against the local spec and
-  transformers, and with FP8 against bf16 (skipped, with the reason, on a GPU without FP8)
+* the Megatron learner (local spec) on CUDA in float32 and bf16 against transformers; with Transformer
+  Engine layers (float32 and bf16) against the local spec and transformers, and with FP8 against bf16
+  (skipped, with the reason, without Transformer Engine or on a GPU without FP8)
   (tests/helpers/gpu_learner_check.py);
 * the SGLang engine on the GPU against the pure-torch reference decoder: StreamingLLM with CUDA graphs,
   R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python);
@@ -74,10 +75,9 @@ def _report_checks(lines: list[str]) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def te_learner_report(tiny_model_dir, tmp_path_factory):
+def learner_report(tiny_model_dir, tmp_path_factory):
     """One run of tests/helpers/gpu_learner_check.py: its checks, report lines, exit status and a log."""
-    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
-    report = tmp_path_factory.mktemp("te_learner") / "report.txt"
+    report = tmp_path_factory.mktemp("learner") / "report.txt"
     proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_learner_check.py", tiny_model_dir, report,
                         nproc=1, timeout=600)
     lines = report.read_text().splitlines() if report.exists() else []
@@ -85,15 +85,27 @@ def te_learner_report(tiny_model_dir, tmp_path_factory):
     return _report_checks(lines), lines, proc.returncode, log
 
 
-LEARNER_CHECKS = [f"{dtype} {a} vs {b}" for dtype in ("fp32", "bf16")
-                  for a, b in (("local", "transformers fp32"), ("transformer_engine", "transformers fp32"),
-                               ("transformer_engine", "local"))]
+LOCAL_CHECKS = ["fp32 local vs transformers fp32", "bf16 local vs transformers fp32"]
+LEARNER_CHECKS = LOCAL_CHECKS + [f"{dtype} transformer_engine vs {b}" for dtype in ("fp32", "bf16")
+                                 for b in ("transformers fp32", "local")]
 
 
-def test_learner_with_transformer_engine(te_learner_report):
+def test_learner_local_spec_on_cuda_against_transformers(learner_report):
+    """The Megatron learner (local spec, TP1) on CUDA in float32 and bfloat16 against transformers'
+    float32 logprobs of the same weights, under the bounds of tests/helpers/gpu_learner_check.py; the
+    bfloat16 bound is shown to catch a wrong weight map, a missing norm and the other rotary layout."""
+    checks, lines, _, log = learner_report
+    print(log)
+    assert "END" in lines, "the helper stopped before its last part\n" + log
+    for name in LOCAL_CHECKS + [name for name in checks if name.startswith("bf16 bound catches")]:
+        assert checks.get(name, ("missing",))[0] == "PASS", f"{name}\n{log}"
+
+
+def test_learner_with_transformer_engine(learner_report):
     """Local spec and Transformer Engine layers against transformers and each other (float32, bfloat16),
     under bfloat16 bounds that the helper shows to catch real weight-map / layer-spec mistakes."""
-    checks, lines, returncode, log = te_learner_report
+    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
+    checks, lines, returncode, log = learner_report
     print(log)
     assert "END" in lines, "the helper stopped before its last part\n" + log
     bound_checks = [name for name in checks if name.startswith("bf16 bound catches")]
@@ -105,9 +117,10 @@ def test_learner_with_transformer_engine(te_learner_report):
     assert returncode == (1 if failed else 0), log
 
 
-def test_learner_fp8(te_learner_report):
+def test_learner_fp8(learner_report):
     """Transformer Engine with FP8 where the GPU supports it: finite, in effect, close to bfloat16."""
-    checks, lines, _, log = te_learner_report
+    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
+    checks, lines, _, log = learner_report
     assert "END" in lines, "the helper stopped before the FP8 part\n" + log
     fp8 = {name: value for name, value in checks.items() if name.startswith("fp8")}
     if fp8.get("fp8", ("",))[0] == "SKIP":

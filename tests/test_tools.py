@@ -1,6 +1,6 @@
 """Every script in tools/ runs in the suite, so none can rot unseen. Here: each one's ``--help`` (run as a
 user runs it, in a fresh process), the data generator against the committed data it made, the GPU
-check's CPU verdict, and one real call of the weight-sync, rollout and sampling-support benchmarks on the
+check's CPU verdict and its dry run (the wheel set for the lent GPU machine), and one real call of the weight-sync, rollout and sampling-support benchmarks on the
 tiny model.
 Elsewhere: launch.py (tests/conftest.py: run_launch, e2e_run), prepare_model.py (tests/test_learner.py), prepare_data.py
 (tests/test_data_math.py), evaluate.py (tests/test_evaluate.py), export_hf.py (tests/test_export_hf.py,
@@ -21,7 +21,8 @@ RUN_BY = {
     "bench_rollout.py": "tests/test_tools.py", "bench_sampling.py": "tests/test_tools.py",
     "bench_sync.py": "tests/test_tools.py",
     "chaos.py": "tests/test_overlap.py", "evaluate.py": "tests/test_evaluate.py",
-    "export_hf.py": "tests/test_export_hf.py", "gpu_check.sh": "tests/test_tools.py",
+    "export_hf.py": "tests/test_export_hf.py", "gpu_check.py": "tests/test_tools.py",
+    "gpu_check.sh": "tests/test_tools.py",
     "launch.py": "tests/conftest.py", "make_arith_data.py": "tests/test_tools.py",
     "prepare_data.py": "tests/test_data_math.py", "prepare_model.py": "tests/test_learner.py",
     "send_unsent_metrics.py": "tests/test_tracking.py", "setup_env.sh": "Makefile",
@@ -50,16 +51,49 @@ def test_make_arith_data_writes_the_committed_example_data(tmp_path):
     assert (tmp_path / "sums.jsonl").read_bytes() == TRAIN_DATA.read_bytes()
 
 
-def test_gpu_check_on_a_cpu_machine_runs_the_cpu_part_and_says_the_gpu_part_did_not_run():
-    """On a machine without CUDA: exit 2 (a part NOT RUN), the CPU part PASS, log written. (Its CPU part
-    here is one small module: the four it runs by default are in the suite anyway.)"""
-    log = ROOT / "runs" / "gpu_check.log"
-    done = run_captured(["bash", ROOT / "tools" / "gpu_check.sh"], 600,
+def test_gpu_check_on_a_cpu_machine_runs_the_cpu_part_and_says_the_gpu_parts_did_not_run(tmp_path):
+    """On a machine without CUDA: exit 2 (parts NOT RUN, each with its reason), the CPU part PASS, log
+    and JSON written. (Its CPU part here is one small module: the four it runs by default are in the
+    suite anyway.)"""
+    from tools.gpu_check import PARTS
+
+    done = run_captured(["bash", ROOT / "tools" / "gpu_check.sh", "--out", tmp_path], 600,
                         env={"PYTHON": sys.executable, "GPU_CHECK_CPU_TESTS": "tests/test_cpu_shims.py"})
     out = done.stdout
     assert done.returncode == 2, out[-3000:] + done.stderr[-2000:]
-    assert "[gpu_check] NOT RUN GPU subset" in out and "[gpu_check] PASS pure math on this machine" in out, out
-    assert "passed" in log.read_text()
+    assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
+    figures = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert figures["versions"]["torch"].startswith("2.13.0") and figures["versions"]["cuda"] is None
+    parts = figures["parts"]
+    assert parts["pure math on this machine"]["status"] == "PASS", parts
+    for name, _, not_written in PARTS:
+        assert parts[name]["status"] == "NOT RUN" and parts[name]["reason"] == (
+            not_written or "no CUDA device visible to torch"), (name, parts[name])
+        assert f"[gpu_check] NOT RUN {name}: " in out
+    assert "passed" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_gpu_check_dry_run_builds_a_wheel_set_that_installs_without_an_index(tmp_path):
+    """--dry-run here: megatron-core for CPython 3.12 and the project's wheel, under the 64 MiB a lent
+    GPU machine takes with the tree, installed into a Python 3.12 target with no index (when one is on
+    this machine: pyenv's, here), and every part reported NOT RUN with its reason. --help is usage."""
+    from tools.gpu_check import CARRY_LIMIT, PARTS
+
+    wheels = tmp_path / "wheels"
+    done = run_captured(["bash", ROOT / "tools" / "gpu_check.sh", "--dry-run", "--wheels", wheels, "--out",
+                         tmp_path / "out"], 600, env={"PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    files = figures["wheels"]["files"]
+    assert sorted(name.split("-")[0] for name in files) == ["megatron_core", "sparse_rl_mega"], files
+    assert any("cp312" in name for name in files) and figures["wheels"]["bytes"] < CARRY_LIMIT
+    check = figures["install_check"]
+    if check != "no Python 3.12 here":
+        assert {"megatron", "sparse_rl_mega", "sglang_patches"} <= set(check["installed"]), check
+    assert {name for name, part in figures["parts"].items() if part["status"] == "NOT RUN"} == \
+        {name for name, _, _ in PARTS} | {"pure math on this machine"}
+    usage = run_captured(["bash", ROOT / "tools" / "gpu_check.sh", "--help"], 60, env={"PYTHON": sys.executable})
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: ") and not wheels.with_name("--help").exists()
 
 
 def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):

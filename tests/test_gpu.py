@@ -10,7 +10,9 @@
 * the SGLang engine on the GPU against the pure-torch reference decoder: StreamingLLM with CUDA graphs,
   R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python);
 * the weight push's GPU paths into that engine: flattened CUDA buckets through CUDA IPC handles and
-  through a broadcast over a gloo weight group.
+  through a broadcast over a gloo weight group;
+* the learner's training step at a ~1B Llama shape: tokens/s, MFU and peak memory against --plan
+  (tests/helpers/gpu_step_check.py).
 """
 import pytest
 import torch
@@ -128,6 +130,22 @@ def test_learner_fp8(learner_report):
     assert fp8, "no FP8 check in the report\n" + log
     assert {status for status, _ in fp8.values()} == {"PASS"}, log
     assert any(name.endswith(" vs bf16 transformer_engine") for name in fp8), log
+
+
+def test_learner_step_throughput_and_memory_against_the_plan(tmp_path):
+    """The learner's training step (local spec, TP1, bf16) at Llama-3.2-1B's shape with random weights,
+    2 sequences of 4096 tokens: finite losses and gradient norms; tokens/s and MFU against the H200's
+    measured bf16 peak, and the peak memory allocated against --plan's estimate for the same config, are
+    figures (printed as JSON for tools/gpu_check.py), not bounds."""
+    import json
+
+    out = tmp_path / "step.json"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_step_check.py", out, "--shape", "1b", "--seq", "4096",
+                        nproc=1, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    print("STEP_FIGURES " + json.dumps(result))
+    assert result["finite"] and result["tokens_per_s"] > 0 and result["peak_allocated_bytes"] > 0, result
 
 
 @pytest.fixture

@@ -96,6 +96,54 @@ def test_gpu_check_dry_run_builds_a_wheel_set_that_installs_without_an_index(tmp
     assert usage.returncode == 0 and usage.stdout.startswith("usage: ") and not wheels.with_name("--help").exists()
 
 
+def test_gpu_check_reads_each_tests_outcome_and_figures(tmp_path):
+    """How the check judges a part from pytest's JUnit XML: a failure fails it (with the message), tests
+    all skipped leave it NOT RUN with their reasons, a pass with an optional skip passes and lists it;
+    the figures a test prints reach the JSON."""
+    from tools.gpu_check import FIGURE_PREFIX, Report, judge, printed_figures, pytest_outcomes
+
+    tests = tmp_path / "test_parts.py"
+    tests.write_text(f"""import pytest
+def test_fine():
+    print("PASS fp32 local vs transformers fp32: max 0.001")
+    print('{FIGURE_PREFIX}{{"tokens_per_s": 5.0}}')
+def test_broken():
+    assert 1 == 2, "planted"
+def test_absent():
+    pytest.skip("Transformer Engine is not installed")
+@pytest.mark.parametrize("k", [1, 2])
+def test_param(k):
+    pass
+""")
+    outcomes, summary = pytest_outcomes(str(tests), Report(tmp_path / "out"), timeout=120)
+    assert "1 failed, 3 passed, 1 skipped" in summary, summary
+    assert judge(["test_fine"], outcomes)[0] == "PASS" and judge(["test_param"], outcomes)[2]["passed"] == 2
+    status, reason, _ = judge(["test_fine", "test_broken"], outcomes)
+    assert status == "FAIL" and "planted" in reason
+    assert judge(["test_absent"], outcomes)[:2] == ("NOT RUN", "Transformer Engine is not installed")
+    assert judge(["test_fine", "test_absent"], outcomes)[:2] == ("PASS", "skipped: Transformer Engine is not installed")
+    assert judge(["test_missing"], outcomes)[:2] == ("NOT RUN", "no test of it ran")
+    assert printed_figures(["test_fine"], outcomes) == {
+        "learner_report": ["PASS fp32 local vs transformers fp32: max 0.001"], "step": {"tokens_per_s": 5.0}}
+
+
+def test_gpu_step_check_runs_its_step_on_the_cpu_in_a_tiny_shape(tmp_path):
+    """The GPU check's learner step (tests/helpers/gpu_step_check.py) in a tiny shape on the CPU: its
+    figures are written and read as tools/gpu_check.py reads them (no memory figure without CUDA)."""
+    from tests.conftest import run_torchrun
+    from tools.gpu_check import step_summary
+
+    out = tmp_path / "step.json"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_step_check.py", out, "--shape", "tiny", "--seq", "64",
+                        "--dtype", "float32", "--steps", "2", nproc=1, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    step = json.loads(out.read_text())
+    assert step["finite"] and step["tokens_per_step"] == 128 and len(step["step_seconds"]) == 2
+    assert step["flops_per_token"] == 6 * step["params"] + 6 * 2 * 64 * 64 and step["peak_allocated_bytes"] is None
+    assert step["plan_bytes"]["total"] == step["plan_bytes"]["states"] + step["plan_bytes"]["activations"] > 0
+    assert "tokens/s" in step_summary(step) and "peak memory" not in step_summary(step)
+
+
 def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "sync.json"
     done = run_tool(ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",

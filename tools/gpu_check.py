@@ -60,10 +60,11 @@ PARTS = [
      ["test_engine_on_gpu_matches_reference_decoder"], None),
     ("weight push into a GPU engine (CUDA IPC buckets, broadcast)", ["test_engine_on_gpu_takes_flattened_buckets"],
      None),
-    ("learner throughput on a ~1B Llama shape (tokens/s, MFU)", [], "not written yet (issue 47)"),
+    ("learner step on a ~1B Llama shape: tokens/s, MFU, peak memory vs --plan",
+     ["test_learner_step_throughput_and_memory_against_the_plan"], None),
     ("flattened push over CUDA IPC between two processes, vs a device copy", [], "not written yet (issue 47)"),
-    ("peak GPU memory of a step vs --plan", [], "not written yet (issue 47)"),
 ]
+FIGURE_PREFIX = "STEP_FIGURES "  # a GPU test's printed figures (test_gpu.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -273,10 +274,28 @@ def judge(tests: list, outcomes: dict) -> tuple[str, str, dict]:
     return "PASS", ("skipped: " + "; ".join(skipped)) if skipped else "", counts
 
 
-def learner_figures(outcomes: dict) -> list[str]:
-    """The learner helper's report lines (checks and bounds) as the GPU test printed them."""
-    printed = "".join(r[2] for r in outcomes.get("test_learner_local_spec_on_cuda_against_transformers", []))
-    return [line for line in printed.splitlines() if line.split(" ")[0] in ("PASS", "FAIL", "SKIP", "INFO")]
+def printed_figures(tests: list, outcomes: dict) -> dict:
+    """What a part's tests printed to report: the learner helper's check lines (bounds and gaps), the
+    step's figures."""
+    printed = "".join(r[2] for test in tests for r in outcomes.get(test, []))
+    figures = {}
+    checks = [line for line in printed.splitlines() if line.split(" ")[0] in ("PASS", "FAIL", "SKIP", "INFO")]
+    if checks:
+        figures["learner_report"] = checks
+    for line in printed.splitlines():
+        if line.startswith(FIGURE_PREFIX):
+            figures["step"] = json.loads(line[len(FIGURE_PREFIX):])
+    return figures
+
+
+def step_summary(step: dict) -> str:
+    """One line of the step's figures."""
+    line = (f"{step['tokens_per_s']:.0f} tokens/s, {step['tflops']:.0f} TFLOP/s, MFU {step['mfu']:.1%} "
+            f"({step['params'] / 1e9:.2f} B parameters, {step['dtype']}, 2 x {step['seq']} tokens a step)")
+    if step.get("peak_allocated_bytes"):
+        line += (f"; peak memory {step['peak_allocated_bytes'] / 2**30:.1f} GiB, --plan "
+                 f"{step['plan_bytes']['total'] / 2**30:.1f} GiB ({step['peak_over_plan']:.2f}x)")
+    return line
 
 
 def check(args, report: Report) -> int:
@@ -309,10 +328,12 @@ def check(args, report: Report) -> int:
             report.part(name, "NOT RUN", summary)
         else:
             status, reason, counts = judge(tests, outcomes)
-            extra = {"learner_report": learner_figures(outcomes)} if tests[0].startswith("test_learner_local") else {}
-            report.part(name, status, reason, tests=counts, **extra)
-            for line in extra.get("learner_report", []):
+            figures = printed_figures(tests, outcomes)
+            report.part(name, status, reason, tests=counts, **figures)
+            for line in figures.get("learner_report", []):
                 report.say(f"  {line}")
+            if "step" in figures:
+                report.say(f"  {step_summary(figures['step'])}")
     cpu, summary = pytest_outcomes(args.cpu_tests, report, timeout=600)
     status, reason, counts = judge(list(cpu), cpu) if cpu else ("FAIL", summary, {})
     report.part("pure math on this machine", status, reason or summary, tests=counts)

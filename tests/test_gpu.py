@@ -12,7 +12,9 @@
 * the weight push's GPU paths into that engine: flattened CUDA buckets through CUDA IPC handles and
   through a broadcast over a gloo weight group;
 * the learner's training step at a ~1B Llama shape: tokens/s, MFU and peak memory against --plan
-  (tests/helpers/gpu_step_check.py).
+  (tests/helpers/gpu_step_check.py);
+* that model's flattened push buckets handed to another process over CUDA IPC, bit for bit, timed
+  against a device copy (tests/helpers/gpu_ipc_check.py).
 """
 import pytest
 import torch
@@ -146,6 +148,22 @@ def test_learner_step_throughput_and_memory_against_the_plan(tmp_path):
     result = json.loads(out.read_text())
     print("STEP_FIGURES " + json.dumps(result))
     assert result["finite"] and result["tokens_per_s"] > 0 and result["peak_allocated_bytes"] > 0, result
+
+
+def test_flattened_buckets_reach_another_process_over_cuda_ipc(tmp_path):
+    """The push's buckets of Llama-3.2-1B's shape (bf16, 512 MiB buckets), packed on the GPU as a push
+    packs them, handed to a process of the check's own by CUDA IPC handle and copied out there: every
+    HF tensor bit for bit, the hand-over's time against a device-to-device copy of the same bytes
+    (printed as figures for tools/gpu_check.py)."""
+    import json
+
+    out = tmp_path / "ipc.json"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_ipc_check.py", out, "--shape", "1b", nproc=1, timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    print("IPC_FIGURES " + json.dumps(result))
+    assert result["transport"] == "CUDA IPC handle" and result["same_names"] and result["bit_exact"], result
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture

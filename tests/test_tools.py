@@ -100,13 +100,13 @@ def test_gpu_check_reads_each_tests_outcome_and_figures(tmp_path):
     """How the check judges a part from pytest's JUnit XML: a failure fails it (with the message), tests
     all skipped leave it NOT RUN with their reasons, a pass with an optional skip passes and lists it;
     the figures a test prints reach the JSON."""
-    from tools.gpu_check import FIGURE_PREFIX, Report, judge, printed_figures, pytest_outcomes
+    from tools.gpu_check import Report, judge, printed_figures, pytest_outcomes
 
     tests = tmp_path / "test_parts.py"
     tests.write_text(f"""import pytest
 def test_fine():
     print("PASS fp32 local vs transformers fp32: max 0.001")
-    print('{FIGURE_PREFIX}{{"tokens_per_s": 5.0}}')
+    print('STEP_FIGURES {{"tokens_per_s": 5.0}}')
 def test_broken():
     assert 1 == 2, "planted"
 def test_absent():
@@ -142,6 +142,21 @@ def test_gpu_step_check_runs_its_step_on_the_cpu_in_a_tiny_shape(tmp_path):
     assert step["flops_per_token"] == 6 * step["params"] + 6 * 2 * 64 * 64 and step["peak_allocated_bytes"] is None
     assert step["plan_bytes"]["total"] == step["plan_bytes"]["states"] + step["plan_bytes"]["activations"] > 0
     assert "tokens/s" in step_summary(step) and "peak memory" not in step_summary(step)
+
+
+def test_gpu_ipc_check_hands_buckets_over_on_the_cpu_bit_for_bit(tmp_path):
+    """The GPU check's push hand-over (tests/helpers/gpu_ipc_check.py) on the CPU, where the buffers
+    travel as shared memory: several buckets of the tiny shape, every HF tensor bit for bit."""
+    from tests.conftest import run_torchrun
+    from tools.gpu_check import ipc_summary
+
+    out = tmp_path / "ipc.json"
+    proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_ipc_check.py", out, "--shape", "tiny", "--dtype", "float32",
+                        "--bucket-mb", "0.05", "--repeats", "1", nproc=1, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    ipc = json.loads(out.read_text())
+    assert ipc["transport"] == "shared memory" and ipc["buckets"] > 1 and ipc["same_names"] and ipc["bit_exact"], ipc
+    assert "bit for bit True" in ipc_summary(ipc)
 
 
 def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):

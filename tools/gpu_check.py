@@ -62,9 +62,10 @@ PARTS = [
      None),
     ("learner step on a ~1B Llama shape: tokens/s, MFU, peak memory vs --plan",
      ["test_learner_step_throughput_and_memory_against_the_plan"], None),
-    ("flattened push over CUDA IPC between two processes, vs a device copy", [], "not written yet (issue 47)"),
+    ("flattened push buckets over CUDA IPC to another process, vs a device copy",
+     ["test_flattened_buckets_reach_another_process_over_cuda_ipc"], None),
 ]
-FIGURE_PREFIX = "STEP_FIGURES "  # a GPU test's printed figures (test_gpu.py)
+FIGURE_PREFIXES = {"STEP_FIGURES ": "step", "IPC_FIGURES ": "ipc"}  # figures the GPU tests print (test_gpu.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -283,8 +284,9 @@ def printed_figures(tests: list, outcomes: dict) -> dict:
     if checks:
         figures["learner_report"] = checks
     for line in printed.splitlines():
-        if line.startswith(FIGURE_PREFIX):
-            figures["step"] = json.loads(line[len(FIGURE_PREFIX):])
+        for prefix, key in FIGURE_PREFIXES.items():
+            if line.startswith(prefix):
+                figures[key] = json.loads(line[len(prefix):])
     return figures
 
 
@@ -296,6 +298,13 @@ def step_summary(step: dict) -> str:
         line += (f"; peak memory {step['peak_allocated_bytes'] / 2**30:.1f} GiB, --plan "
                  f"{step['plan_bytes']['total'] / 2**30:.1f} GiB ({step['peak_over_plan']:.2f}x)")
     return line
+
+
+def ipc_summary(ipc: dict) -> str:
+    """One line of the hand-over's figures."""
+    return (f"{ipc['tensors']} tensors in {ipc['buckets']} buckets ({ipc['bytes'] / 2**30:.2f} GiB {ipc['dtype']}) "
+            f"by {ipc['transport']}: bit for bit {ipc['bit_exact']}; copied out at {ipc['handover_gb_per_s']:.0f} GB/s "
+            f"against {ipc['device_copy_gb_per_s']:.0f} GB/s for a device copy ({ipc['handover_over_copy']:.2f}x its time)")
 
 
 def check(args, report: Report) -> int:
@@ -334,6 +343,8 @@ def check(args, report: Report) -> int:
                 report.say(f"  {line}")
             if "step" in figures:
                 report.say(f"  {step_summary(figures['step'])}")
+            if "ipc" in figures:
+                report.say(f"  {ipc_summary(figures['ipc'])}")
     cpu, summary = pytest_outcomes(args.cpu_tests, report, timeout=600)
     status, reason, counts = judge(list(cpu), cpu) if cpu else ("FAIL", summary, {})
     report.part("pure math on this machine", status, reason or summary, tests=counts)

@@ -105,6 +105,31 @@ def test_learner_local_spec_on_cuda_against_transformers(learner_report):
         assert checks.get(name, ("missing",))[0] == "PASS", f"{name}\n{log}"
 
 
+def test_learner_gradient_on_cuda_equals_autograd(tiny_model_dir, tmp_path):
+    """One training step's gradient of the full corrected loss (tests/helpers/grad_batch.py: veto,
+    rejection, IS weights, PPO and dual clip, KL, entropy, sampled at temperature 0.7 with truncated
+    rows) from the learner on CUDA (TP1, float32, 4 micro-batches) against plain autograd through
+    transformers in float64 on the CPU, within the float32 rounding bound of tests/test_layout_invariance.py."""
+    import json
+
+    from tests.test_layout_invariance import HELPER, LOSS_NAMES, TOLERANCE, _common_factor, _job, _relative_diff, \
+        autograd_reference
+
+    job = {**_job("TP1 on CUDA", tiny_model_dir, 1, 1, 2, {}), "dtypes": ["float32"]}
+    out = tmp_path / "grads.pt"
+    proc = run_torchrun(HELPER, out, json.dumps([job]), nproc=1, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got, ref, bound = torch.load(out, map_location="cpu")[job["name"]]["float32"], autograd_reference(tiny_model_dir), \
+        TOLERANCE["float32"]
+    diffs = {}
+    for mode in LOSS_NAMES:
+        assert abs(_common_factor(ref[mode]["grads"], got[mode]["grads"]) - 1) <= bound, mode
+        diffs[mode] = _relative_diff(ref[mode]["grads"], got[mode]["grads"])
+        assert got[mode]["loss"] == pytest.approx(ref[mode]["loss"], rel=bound), mode
+    print("GRAD_FIGURES " + json.dumps({"relative_gradient_difference": diffs, "bound": bound}))
+    assert max(diffs.values()) <= bound, diffs
+
+
 def test_learner_with_transformer_engine(learner_report):
     """Local spec and Transformer Engine layers against transformers and each other (float32, bfloat16),
     under bfloat16 bounds that the helper shows to catch real weight-map / layer-spec mistakes."""

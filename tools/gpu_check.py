@@ -51,6 +51,9 @@ GPU_TESTS = "tests/test_gpu.py"
 PARTS = [
     ("learner local spec on CUDA, fp32 and bf16, vs transformers",
      ["test_learner_local_spec_on_cuda_against_transformers"], None),
+    ("learner step's gradient on CUDA (fp32) vs autograd", ["test_learner_gradient_on_cuda_equals_autograd"], None),
+    ("learner at TP2 on one GPU", [], "NCCL refuses two ranks on one GPU; a gloo layout with CUDA tensors is not "
+                                     "written"),
     ("learner with Transformer Engine (fp32, bf16) and FP8", ["test_learner_with_transformer_engine", "test_learner_fp8"],
      None),
     ("KV policies' scoring and the correction on CUDA vs CPU",
@@ -65,7 +68,7 @@ PARTS = [
     ("flattened push buckets over CUDA IPC to another process, vs a device copy",
      ["test_flattened_buckets_reach_another_process_over_cuda_ipc"], None),
 ]
-FIGURE_PREFIXES = {"STEP_FIGURES ": "step", "IPC_FIGURES ": "ipc"}  # figures the GPU tests print (test_gpu.py)
+FIGURE_PREFIXES = {"STEP_FIGURES ": "step", "IPC_FIGURES ": "ipc", "GRAD_FIGURES ": "gradient"}  # figures the GPU tests print (test_gpu.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -33,7 +33,11 @@ def init_process_group() -> None:
 
     # one thread per rank as in the suite; OMP_NUM_THREADS=2 checks another reduction split
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():  # (the GPU check) as the trainer: NCCL for device tensors, gloo for the rest
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
 
 
 def set_layout(tp: int, pp: int, vpp: int = 1, cp: int = 1) -> None:

@@ -8,7 +8,9 @@ tests/test_resume.py), ablation.py (tests/test_ablation.py), bench_overlap.py an
 fault (tests/test_overlap.py), send_unsent_metrics.py (tests/test_tracking.py), setup_env.sh (every run: `make
 test` builds the venv with it)."""
 import json
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -125,6 +127,17 @@ def test_param(k):
     assert judge(["test_missing"], outcomes)[:2] == ("NOT RUN", "no test of it ran")
     assert printed_figures(["test_fine"], outcomes) == {
         "learner_report": ["PASS fp32 local vs transformers fp32: max 0.001"], "step": {"tokens_per_s": 5.0}}
+    # a run past its limit is killed with its children (a torchrun rank of a GPU test): one line, no hang
+    (tmp_path / "test_slow.py").write_text("import subprocess, sys, time\n"
+                                           "def test_slow():\n"
+                                           "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                                           "    time.sleep(60)\n")
+    started = time.monotonic()
+    assert pytest_outcomes(str(tmp_path / "test_slow.py"), Report(tmp_path / "out"), timeout=4) == \
+        ({}, "timed out after 4 s")
+    assert time.monotonic() - started < 30
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    assert not left, left
 
 
 def test_gpu_step_check_runs_its_step_on_the_cpu_in_a_tiny_shape(tmp_path):

@@ -74,10 +74,15 @@ class ArchConfig:
 class TinyModelConfig:
     """Build a small model locally when ``model.path`` does not exist yet (no hub access needed):
     a byte-level BPE tokenizer trained on the training prompts and a model warm-started with a few
-    supervised steps on the training set so that RL has a reward signal from the first iteration."""
+    supervised steps on the training set so that RL has a reward signal from the first iteration.
+    The supervised target of a row is its ``worked`` answer when the data file has one (tools/
+    prepare_data.py writes them for ``long_sums``), else a short sentence ending in the label."""
     tokenizer_vocab_size: int = 320
     warmup_sft_steps: int = 150
     warmup_lr: float = 3e-3
+    warmup_batch_size: int = 16
+    # a linear warm-up of the learning rate over the first 50 steps and a linear decay to 0.1 of it
+    warmup_decay: bool = False
     seed: int = 0
 
 
@@ -637,6 +642,13 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
              f"must be > 0, got {t.watchdog_first_s}")
 
     _require(bool(cfg.model.path), source, "model.path", "required: an HF model folder (or where to create one)")
+    tiny = cfg.model.create_tiny
+    if tiny is not None:
+        _require(tiny.warmup_sft_steps >= 0, source, "model.create_tiny.warmup_sft_steps",
+                 f"must be >= 0, got {tiny.warmup_sft_steps}")
+        _require(tiny.warmup_batch_size >= 1, source, "model.create_tiny.warmup_batch_size",
+                 f"must be >= 1, got {tiny.warmup_batch_size}")
+        _require(tiny.warmup_lr > 0, source, "model.create_tiny.warmup_lr", f"must be > 0, got {tiny.warmup_lr}")
     _require(bool(d.train_path), source, "data.train_path", "required: a jsonl file of prompts and labels")
     if d.format == "prompt_label":
         _require(bool(d.prompt_key) and bool(d.label_key) and d.prompt_key != d.label_key, source, "data.prompt_key",

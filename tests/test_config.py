@@ -71,6 +71,8 @@ def test_examples_load():
     (lambda r: r["model"].update(fp8="e4m3"), "model.fp8", "transformer_engine"),
     (lambda r: r["rollout"].update(n_samples_per_prompt=1), "rollout.n_samples_per_prompt", "at least 2"),
     (lambda r: r["rollout"].update(top_k=1), "rollout.top_k", "1 is greedy"),
+    (lambda r: r["model"]["create_tiny"].update(warmup_batch_size=0), "model.create_tiny.warmup_batch_size",
+     "must be >= 1"),
     (lambda r: r["rollout"].update(top_k=0), "rollout.top_k", "must be -1 (off) or >= 2"),
     (lambda r: r["rollout"].update(min_p=0.05), "rollout.min_p", "cannot draw min-p with a per-request seed"),
     (lambda r: r["algorithm"]["correction"].update(reject_low=1.2), "algorithm.correction", "low < 1 < high"),
@@ -163,6 +165,15 @@ def test_dry_run_says_how_rollouts_sample():
                                    "report it (at most 5 ids)")
     assert "up to the whole vocabulary: a top_k bounds it" in sampling_line(
         load_config(CPU_TINY, ["rollout.top_p=0.9"]).rollout)
+
+
+def test_long_sums_example_plans_compressed_requests_at_a_third_of_dense():
+    """examples/cpu_long_sums.yaml (the long-response setting) under --plan: a request holds at most its
+    21-token prompt + budget 32 + interval 4 + 1 slots against 221 dense."""
+    proc = _launch("examples/cpu_long_sums.yaml", "--plan", "--gpu-memory-gb", "80", "--prompt-tokens", "21")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "per request  dense 221 tokens" in proc.stdout and "sparse 58 (prompt" in proc.stdout, proc.stdout
+    assert "verdict    fits" in proc.stdout
 
 
 def test_dry_run_of_70b_shows_its_scale():

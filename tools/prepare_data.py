@@ -26,6 +26,12 @@ imported):
   teen_sums_train  generated: "What is a + b?" for a, b in 1-19 with at least one single digit
                (261 pairs), 133 of them; the harder-compression ablation's training set
   teen_sums_test   the other 128 pairs (held out, split by --seed)
+  long_sums_train  generated, the long-response task: "Q: 3 5 7 2 8 1 4 6 9 2 1 3 s4 + s9 A:", the
+               12 running sums written one step at a time, then two of them (written early in the
+               response) added; --arith-count problems (default 1000), each with its worked answer
+               (``"worked"``: ~140 tokens) for the supervised warm start; raw prompts (no
+               instruction, no chat template)
+  long_sums_test   128 more (held out, disjoint for the same --seed)
 
 GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
 for a small model to get reward on CPU: GSM8K problems solved in one or two calculator steps whose
@@ -76,6 +82,8 @@ class Problem:
     label: str
     id: str
     easy: bool
+    worked: Optional[str] = None  # a worked answer (the supervised warm start's target), when generated
+    raw: bool = False             # the question is the whole prompt: no instruction, no chat template
 
 
 # ----------------------------------------------------------------------------- row readers
@@ -140,6 +148,8 @@ SOURCES: dict[str, Source] = {
     "sums_test": Source(None, None, None, lambda seed, count: single_digit_sums("test", seed)),
     "teen_sums_train": Source(None, None, None, lambda seed, count: teen_sums("train", seed)),
     "teen_sums_test": Source(None, None, None, lambda seed, count: teen_sums("test", seed)),
+    "long_sums_train": Source(None, None, None, lambda seed, count: long_sums("train", seed, count)),
+    "long_sums_test": Source(None, None, None, lambda seed, count: long_sums("test", seed, count)),
 }
 
 
@@ -232,6 +242,40 @@ def teen_sums(split: str, seed: int) -> list[Problem]:
     return [Problem(f"What is {a} + {b}?", str(a + b), f"teen_sums/{a}+{b}", True) for a, b in chosen]
 
 
+LONG_SUMS_OPERANDS = 12
+LONG_SUMS_TEST_SIZE = 128
+
+
+def long_sum_problem(operands: list[int], first: int, second: int, index: str) -> Problem:
+    """The long-response task: running sums of ``operands`` written one step a line, then the sum of
+    two of those partial results (``s<first> + s<second>``, 1-based), which the answer must look up
+    where it wrote them, early in its own response. Raw prompt ``Q: 3 5 7 ... s4 + s9 A:``; worked
+    answer `` s1 = 3 ; s2 = 3 + 5 = 8 ; ... s4 + s9 = 17 + 40 = 57 . The answer is 57 .``"""
+    partial, steps = [operands[0]], [f" s1 = {operands[0]} ;"]
+    for k, value in enumerate(operands[1:], start=2):
+        steps.append(f" s{k} = {partial[-1]} + {value} = {partial[-1] + value} ;")
+        partial.append(partial[-1] + value)
+    a, b = partial[first - 1], partial[second - 1]
+    worked = "".join(steps) + f" s{first} + s{second} = {a} + {b} = {a + b} . The answer is {a + b} ."
+    question = f"Q: {' '.join(map(str, operands))} s{first} + s{second} A:"
+    return Problem(question, str(a + b), index, True, worked=worked, raw=True)
+
+
+def long_sums(split: str, seed: int, count: int) -> list[Problem]:
+    """``LONG_SUMS_OPERANDS`` digits 1-9 and two distinct steps 2..n to recall, drawn by ``seed``:
+    ``test`` the first ``LONG_SUMS_TEST_SIZE`` distinct problems, ``train`` the next ``count``
+    (disjoint for the same seed). Responses ~140 tokens with the task's own tokenizer, prompts <= 21."""
+    rng = random.Random(seed)
+    seen: dict[str, Problem] = {}
+    while len(seen) < LONG_SUMS_TEST_SIZE + count:
+        operands = [rng.randint(1, 9) for _ in range(LONG_SUMS_OPERANDS)]
+        first, second = sorted(rng.sample(range(2, LONG_SUMS_OPERANDS + 1), 2))
+        problem = long_sum_problem(operands, first, second, f"long_sums/{len(seen)}")
+        seen.setdefault(problem.question, problem)
+    problems = list(seen.values())
+    return problems[:LONG_SUMS_TEST_SIZE] if split == "test" else problems[LONG_SUMS_TEST_SIZE:]
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -278,7 +322,7 @@ def prepare(benchmarks: list[str], out: str | Path = DEFAULT_OUT, limit: Optiona
         except (OSError, ValueError) as exc:
             raise PrepareError(f"--tokenizer: {exc} (or pass --no-chat-template)") from exc
     style = f"chat template of {tokenizer}" if chat_tokenizer is not None else "plain text (no chat template)"
-    log(f"[prepare_data] prompts: question + instruction \"{instruction}\"; {style}")
+    log(f"[prepare_data] prompts: question + instruction \"{instruction}\"; {style} (long_sums: the question alone)")
 
     data_dir = None
     results = {}
@@ -310,8 +354,8 @@ def prepare(benchmarks: list[str], out: str | Path = DEFAULT_OUT, limit: Optiona
             else:  # a seeded subset, kept in source order
                 picks = sorted(random.Random(seed).sample(range(len(problems)), limit))
                 problems = [problems[i] for i in picks]
-        rows = [{"prompt": render_prompt(p.question, instruction, chat_tokenizer), "label": p.label, "id": p.id}
-                for p in problems]
+        rows = [{"prompt": p.question if p.raw else render_prompt(p.question, instruction, chat_tokenizer),
+                 "label": p.label, "id": p.id, **({"worked": p.worked} if p.worked else {})} for p in problems]
         file_name = f"{name}_easy.jsonl" if easy and source.file is not None else f"{name}.jsonl"
         target = Path(out) / file_name
         state = write_jsonl(target, rows) if rows else "not written (no rows)"

@@ -1,8 +1,10 @@
 """Build a small HF model folder locally (no hub access): tokenizer, config, weights.
 
-The tokenizer is a byte-level BPE trained on the training prompts; the model has the shape of
-``model.arch`` and is warm-started with a few supervised steps on ``prompt + " " + worked answer``
-so that sampled answers are sometimes right and RL has a reward signal from the first iteration.
+The tokenizer is a byte-level BPE trained on the training prompts and their worked answers; the model
+has the shape of ``model.arch`` and is warm-started with supervised steps on ``prompt + worked answer``
+(a row's own ``worked`` answer when the data file has one) so that sampled answers are sometimes right
+and RL has a reward signal from the first iteration. This is a warm start for a model built here, not
+a general supervised fine-tuning of a user's model: no held-out split, no checkpointing, one process.
 """
 from __future__ import annotations
 
@@ -20,10 +22,18 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def worked_answer(record_prompt: str, label: str) -> str:
-    """The supervised target: a short explanation ending in the answer (long enough that decoding
-    passes a small KV budget, so eviction is exercised by the CPU example)."""
+    """The supervised target of a row without its own: a short explanation ending in the answer (long
+    enough that decoding passes a small KV budget, so eviction is exercised by the CPU example)."""
     question = record_prompt.split("Q:", 1)[-1].split("= ?", 1)[0].strip()
     return f" {question} makes {label} . The answer is {label} ."
+
+
+def worked_answers(train_path: str, prompt_key: str = "prompt") -> dict[str, str]:
+    """``{prompt: worked answer}`` of the rows of ``train_path`` that carry a ``worked`` string."""
+    from sparse_rl_mega.data.jsonl import json_objects
+
+    return {row[prompt_key]: row["worked"] for _, _, row, problem in json_objects(train_path)
+            if problem is None and isinstance(row.get("worked"), str) and isinstance(row.get(prompt_key), str)}
 
 
 def build_tokenizer(texts: list[str], vocab_size: int):
@@ -70,7 +80,8 @@ def build_tiny_model(out_dir: str | Path, arch: ArchConfig, spec: TinyModelConfi
 
     out_dir = Path(out_dir)
     records = PromptDataset(train_path, prompt_key, label_key).records
-    texts = [r.prompt + worked_answer(r.prompt, r.label) for r in records]
+    worked = worked_answers(train_path, prompt_key)
+    texts = [r.prompt + worked.get(r.prompt, worked_answer(r.prompt, r.label)) for r in records]
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(texts * 4, min(spec.tokenizer_vocab_size, arch.vocab_size))
     if len(tokenizer) != arch.vocab_size:
@@ -88,10 +99,14 @@ def build_tiny_model(out_dir: str | Path, arch: ArchConfig, spec: TinyModelConfi
             ids = tokenizer(text)["input_ids"] + [eos_id]
             examples.append((ids, prompt_len))
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmup_lr, weight_decay=0.0)
+        steps = spec.warmup_sft_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, (lambda s: min(1.0, (s + 1) / 50) * max(0.1, 1 - s / steps)) if spec.warmup_decay
+            else (lambda s: 1.0))
         generator = torch.Generator().manual_seed(spec.seed)
         model.train()
         for step in range(spec.warmup_sft_steps):
-            picks = torch.randint(len(examples), (16,), generator=generator).tolist()
+            picks = torch.randint(len(examples), (spec.warmup_batch_size,), generator=generator).tolist()
             width = max(len(examples[i][0]) for i in picks)
             input_ids = torch.full((len(picks), width), eos_id)
             labels = torch.full((len(picks), width), -100)
@@ -103,6 +118,7 @@ def build_tiny_model(out_dir: str | Path, arch: ArchConfig, spec: TinyModelConfi
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            schedule.step()
             if step % 50 == 0 or step == spec.warmup_sft_steps - 1:
                 log(f"[tiny model] warm-up step {step}: loss {loss.item():.3f}")
         model.eval()

@@ -80,6 +80,41 @@ def test_budget_map_figure(tmp_path):
     assert not plot_budget_map(rows, [], tmp_path / "none.png") and not (tmp_path / "none.png").exists()
 
 
+def test_seeds_run_every_variant_per_seed_and_pair_each_with_its_own_dense(tmp_path, tiny_model_dir):
+    """--seeds: one run per variant and seed (seed after seed), trainer.seed and data.seed set; each
+    seed's held-out ratio is against the dense run of the same seed; the summary's means over seeds and
+    their standard error across seeds, computed here by hand; a bad --seeds is one line."""
+    from tools.ablation import over_seeds, parse_seeds
+
+    config = write_test_config(tmp_path / "s.yaml", tiny_model_dir, tmp_path / "run",
+                               f"eval: {{path: {TRAIN_DATA}, kv: dense}}")
+    args = SimpleNamespace(config=str(config), variants="naive,dense", iterations=2, overrides=[FIXED_BUDGET],
+                           tracking_uri=None, out=tmp_path / "o", seeds="3,1")
+    _, runs, _ = plan(args)
+    assert list(runs) == ["naive_s3", "dense_s3", "naive_s1", "dense_s1"]
+    cfg = load_config(config, runs["naive_s1"])
+    assert (cfg.trainer.seed, cfg.data.seed, cfg.trainer.run_dir) == (1, 1, str(tmp_path / "o" / "naive_s1"))
+    for bad in ("1,1", "x", ""):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+
+    def evaluation(correct):  # correct samples of 4 per problem, one KV setting
+        return {"iteration": 2, "results": {"rkv:12": {"mean_at_k": sum(correct) / (4 * len(correct)),
+                                                       "samples_per_problem": 4, "correct_per_problem": correct}}}
+    data = {"naive_s1": {"eval": [evaluation([2, 2])]}, "dense_s1": {"eval": [evaluation([4, 4])]},
+            "naive_s2": {"eval": [evaluation([1, 3])]}, "dense_s2": {"eval": [evaluation([2, 2])]}}
+    rows = {(r["variant"], r["setting"]): r for r in held_out(data)}
+    assert rows[("naive_s1", "rkv:12")]["ratio_to_dense"] == pytest.approx(0.5)  # 0.5 / 1.0: seed 1's dense
+    assert rows[("naive_s2", "rkv:12")]["ratio_to_dense"] == pytest.approx(1.0)  # 0.5 / 0.5: seed 2's
+    merged = {(r["variant"], r["setting"]): r for r in over_seeds(held_out(data))}
+    naive = merged[("naive", "rkv:12")]
+    assert naive["seeds"] == 2 and naive["after"] == pytest.approx(0.5) and naive["after_stderr_seeds"] == 0.0
+    assert naive["ratio_to_dense"] == pytest.approx(0.75)
+    assert naive["ratio_to_dense_stderr_seeds"] == pytest.approx(((0.25 ** 2 * 2) / 1 / 2) ** 0.5)
+    assert merged[("dense", "rkv:12")]["after"] == pytest.approx(0.75)
+    assert over_seeds(held_out({"naive": data["naive_s1"], "dense": data["dense_s1"]})) == []
+
+
 @pytest.mark.unit
 def test_accuracy_ratio_and_its_standard_error():
     """The delta-method standard error, checked against its expanded form

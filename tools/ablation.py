@@ -4,6 +4,7 @@
     python tools/ablation.py examples/cpu_smollm2.yaml                       # naive, sparse_rl, dense
     python tools/ablation.py examples/cpu_tiny.yaml --variants naive,sparse_rl,tis --iterations 5
     python tools/ablation.py examples/cpu_smollm2_tight_kv.yaml --budgets 32,44,56 --auto sparse_rl   # budget map
+    python tools/ablation.py examples/cpu_long_sums.yaml --seeds 1,2,3        # three seeds per variant
 
 Variants (same seed, data, prompts order and sampling seeds; only what the variant names changes):
 
@@ -36,6 +37,12 @@ finished in OUT (its MLflow run ended with every iteration logged) is not run ag
 re-running the command after an interruption continues with the variants still missing, and
 ``--report`` writes the summary of those finished so far without launching anything (a long sweep can be
 looked at while it runs, or after it was cut short).
+
+``--seeds S1,S2,...`` runs every variant once per seed (``trainer.seed``: the rollouts' sampling seeds;
+``data.seed``: the prompts' order), as ``VARIANT_s<S>``, seed after seed (a study cut short has whole
+seeds, and re-running the command continues it); each run's held-out ratio is taken against the dense
+variant of its own seed, and the summary adds a table of means over seeds with their standard errors
+across seeds.
 """
 from __future__ import annotations
 
@@ -98,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every sparse variant once per KV budget (the budget map); dense runs once")
     p.add_argument("--auto", default=None, metavar="V1,...",
                    help="with --budgets: also run these variants with the automatic budget within the sweep's bounds")
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="run every variant once per seed (trainer.seed and data.seed: sampling and data order), "
+                        "named VARIANT_s<S>; the summary adds means over seeds with their standard errors")
     return p.parse_args(argv)
 
 
@@ -118,7 +128,8 @@ def plan(args) -> tuple[Path, dict[str, list[str]], dict[str, int]]:
               f"rollout.kv_compression.budget={budgets[-1]}"] if getattr(args, "auto", None) and len(budgets) > 1 else []
     base = load_config(args.config, [*args.overrides, *bounds])  # raises ConfigError naming the key
     kv = base.rollout.kv_compression
-    for name, variant, overrides in expand_variants(args, names, kv, base.eval.path is not None):
+    for name, variant, overrides in with_seeds(expand_variants(args, names, kv, base.eval.path is not None),
+                                               parse_seeds(getattr(args, "seeds", None))):
         overrides = [*filter(None, overrides[:1]), *args.overrides, *variant_overrides(variant), *overrides[1:],
                      f"trainer.run_dir={out / name}",
                      f"tracking.tracking_uri={tracking}", f"tracking.experiment={EXPERIMENT}",
@@ -140,6 +151,28 @@ def parse_budgets(spec: Optional[str]) -> list[int]:
                              or len(set(budgets)) != len(budgets)):
         raise ValueError(f"--budgets {spec!r}: expected distinct positive integers, e.g. 32,44,56")
     return sorted(int(b) for b in budgets)
+
+
+def parse_seeds(spec: Optional[str]) -> list[int]:
+    seeds = [x.strip() for x in (spec or "").split(",") if x.strip()]
+    if spec is not None and (not seeds or not all(x.isdigit() for x in seeds) or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"--seeds {spec!r}: expected distinct non-negative integers, e.g. 1,2,3")
+    return [int(x) for x in seeds]
+
+
+def with_seeds(runs: list[tuple[str, str, list[str]]], seeds: list[int]) -> list[tuple[str, str, list[str]]]:
+    """Every run once per seed (seed-major: a study cut short has whole seeds), ``NAME_s<seed>`` with
+    ``trainer.seed`` (sampling) and ``data.seed`` (data order) set; the runs as they are without seeds."""
+    if not seeds:
+        return runs
+    return [(f"{name}_s{seed}", variant, [*overrides, f"trainer.seed={seed}", f"data.seed={seed}"])
+            for seed in seeds for name, variant, overrides in runs]
+
+
+def split_seed(name: str) -> tuple[str, Optional[int]]:
+    """``sparse_rl_b32_s2`` -> ``("sparse_rl_b32", 2)``; a name without a seed -> ``(name, None)``."""
+    head, _, tail = name.rpartition("_s")
+    return (head, int(tail)) if head and tail.isdigit() else (name, None)
 
 
 def expand_variants(args, names: list[str], kv, evaluates: bool) -> list[tuple[str, str, list[str]]]:
@@ -264,10 +297,11 @@ def held_out(data: dict[str, dict]) -> list[dict]:
     errors, the ratio to the dense variant's accuracy under the same setting (paired over problems)
     and the drop from the variant's own dense decoding (dense minus this setting)."""
     rows = []
-    dense_run = data.get("dense", {}).get("eval")
     for name, d in data.items():
         if not d["eval"]:
             continue
+        seed = split_seed(name)[1]  # the dense run of the same seed is the denominator
+        dense_run = data.get("dense" if seed is None else f"dense_s{seed}", {}).get("eval")
         first, last = d["eval"][0], d["eval"][-1]
         for label, result in last["results"].items():
             row = {"variant": name, "setting": label, "iterations": last["iteration"],
@@ -284,6 +318,30 @@ def held_out(data: dict[str, dict]) -> list[dict]:
                     per_problem(last, "dense"), per_problem(last, label))
             rows.append(row)
     return rows
+
+
+def over_seeds(accuracy: list[dict]) -> list[dict]:
+    """Per variant (seeds merged) and KV setting: the mean over seeds of the held-out accuracy, of the
+    ratio to the same seed's dense variant and of the drop from dense decoding, each with its standard
+    error across seeds (the spread of training runs; each seed's own s.e. over problems is in the
+    per-run table). Nothing when no run has a seed."""
+    from sparse_rl_mega.evaluation import mean_stderr
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in accuracy:
+        base, seed = split_seed(row["variant"])
+        if seed is not None:
+            groups.setdefault((base, row["setting"]), []).append(row)
+    out = []
+    for (base, setting), rows in groups.items():
+        merged = {"variant": base, "setting": setting, "seeds": len(rows)}
+        for key in ("after", "ratio_to_dense", "drop_from_dense"):
+            values = [r[key] for r in rows if key in r]
+            if values:
+                merged[key] = sum(values) / len(values)
+                merged[f"{key}_stderr_seeds"] = mean_stderr(values) if len(values) > 1 else float("nan")
+        out.append(merged)
+    return out
 
 
 def _table(rows: list[dict]) -> str:
@@ -320,6 +378,9 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
     accuracy = held_out(data)
     table = _table(rows) + ("\n\nHeld-out mean@k after the last iteration, +- s.e. over problems (ratios and "
                            "drops paired over the same problems):\n\n" + _table(accuracy) if accuracy else "")
+    seeds = over_seeds(accuracy)
+    if seeds:
+        table += "\n\nOver seeds (means, s.e. across seeds):\n\n" + _table(seeds)
     return rows, accuracy, table
 
 
@@ -370,7 +431,8 @@ def plot(data: dict[str, dict], path: Path) -> None:
 
 
 def base_variant(name: str) -> str:
-    """``sparse_rl_b32`` / ``sparse_rl_auto`` -> ``sparse_rl``."""
+    """``sparse_rl_b32`` / ``sparse_rl_auto`` (``_s<seed>`` too) -> ``sparse_rl``."""
+    name = split_seed(name)[0]
     head, _, tail = name.rpartition("_")
     return head if head and (tail == "auto" or (tail.startswith("b") and tail[1:].isdigit())) else name
 

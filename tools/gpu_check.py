@@ -115,12 +115,12 @@ class Report:
         return path
 
 
-def run(command: list, report: Report, timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(command: list, report: Report, timeout: int) -> subprocess.CompletedProcess:
     """``command`` with its output in the log, in its own process group; at ``timeout`` the whole group
     is killed (pytest's torchrun ranks too) and the exit code is 124: a failed command, not a hang."""
     report.log("$ " + " ".join(str(c) for c in command))
     process = subprocess.Popen([str(c) for c in command], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+                               text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -130,6 +130,11 @@ def run(command: list, report: Report, timeout: int, env: dict | None = None) ->
         return subprocess.CompletedProcess(command, 124, stdout, stderr + f"\ntimed out after {timeout} s")
     report.log(stdout + stderr)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    """What a failed command said last (its stderr's, else its stdout's last line)."""
+    return ((done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"])[0]
 
 
 # ----------------------------------------------------------------------------- the wheel set
@@ -146,8 +151,7 @@ def prepare(wheels: Path, report: Report) -> dict:
     for what, command in steps:
         done = run(command, report, timeout=600)
         if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"{what} failed: {tail[0]} (log: {report.log_path})")
+            raise RuntimeError(f"{what} failed: {last_line(done)} (log: {report.log_path})")
     files = {p.name: p.stat().st_size for p in sorted(wheels.glob("*.whl"))}
     total = sum(files.values())
     report.say(f"[gpu_check] wheel set {wheels}: {len(files)} wheels, {total / 2**20:.1f} MiB "
@@ -169,8 +173,7 @@ def install(wheels: Path, target: Path, python: str, report: Report) -> None:
     done = run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--no-deps",
                 "--no-compile", "--no-cache-dir", "--upgrade", "--target", target, *found], report, timeout=300)
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"installing {wheels} into {target} failed: {tail[0]}")
+        raise RuntimeError(f"installing {wheels} into {target} failed: {last_line(done)}")
 
 
 def python312() -> str | None:

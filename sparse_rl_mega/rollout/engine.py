@@ -365,7 +365,7 @@ class RolloutEngine:
         renormalised over them, the probability the token was drawn with (SGLang's
         ``return_sampling_mask``; top-p alone is sent as top-k = the vocabulary, which SGLang requires
         for it and which keeps every token); without it, the logprob of the untruncated distribution."""
-        cap = top_k if top_k > 0 else self.vocab_size
+        cap = support_cap(top_k, self.vocab_size)
         if report_support and (self.support_cap is None or cap > self.support_cap):
             raise ValueError(f"{self.name} reports sampling supports of at most {self.support_cap} tokens "
                              f"(support_top_k at its start); a request at top_k {top_k} needs {cap}")

@@ -21,17 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
-
-apply_if_cpu()
+from common import init_parallel  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from gpu_step_check import SHAPES  # noqa: E402 (the same shapes)
+from gpu_step_check import SHAPES, shape_config  # noqa: E402 (the same shapes)
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -84,25 +80,14 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=512.0)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    from megatron.core import parallel_state as ps
-
-    from sparse_rl_mega.config import config_from_dict
     from sparse_rl_mega.learner.flat_buckets import pack_bucket, plan_push
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.weights import _local_shards, gather_hf_state_dict
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    ps.initialize_model_parallel(1, 1)
-    seed_model_parallel_rng(0)
-    cfg = config_from_dict({
-        "model": {"path": "unused", "arch": SHAPES[args.shape], "dtype": args.dtype},
-        "parallel": {"nproc_per_node": 1}, "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 16},
-        "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 1},
-        "trainer": {"global_batch_size": 2, "micro_batch_size": 1}})
+    init_parallel(1, 1)
+    cfg = shape_config(args.shape, args.dtype, 16)
     arch, dtype = cfg.model.arch, getattr(torch, args.dtype)
     learner = build_learner(cfg)
     expected = {name: digest(t.to(dtype)) for name, t in gather_hf_state_dict(learner.modules, arch).items()}

@@ -21,11 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
-
-apply_if_cpu()
+from common import init_parallel  # (first: CPU shims before Megatron)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -37,6 +33,18 @@ SHAPES = {
     "tiny": dict(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_query_groups=2, vocab_size=384, max_position_embeddings=512),
 }
+
+
+def shape_config(shape: str, dtype: str, max_new_tokens: int):
+    """The validated one-process run config of a model shape of :data:`SHAPES` with random weights (no
+    model folder is read): 2 sequences a step, micro-batch 1."""
+    from sparse_rl_mega.config import config_from_dict
+
+    return config_from_dict({
+        "model": {"path": "unused", "arch": SHAPES[shape], "dtype": dtype}, "parallel": {"nproc_per_node": 1},
+        "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": max_new_tokens},
+        "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 1},
+        "trainer": {"global_batch_size": 2, "micro_batch_size": 1}})
 
 
 def parse_args():
@@ -54,28 +62,16 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    from megatron.core import parallel_state as ps
-
     from sparse_rl_mega.algo.correction import compute_correction
     from sparse_rl_mega.batch import RolloutBatch
-    from sparse_rl_mega.config import config_from_dict
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import train_step
     from sparse_rl_mega.planner import learner_memory, total_params
 
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    ps.initialize_model_parallel(1, 1)
-    seed_model_parallel_rng(0)
+    init_parallel(1, 1)
     prompt = 16
-    cfg = config_from_dict({
-        "model": {"path": "unused", "arch": SHAPES[args.shape], "dtype": args.dtype},
-        "parallel": {"nproc_per_node": 1},
-        "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": args.seq - prompt},
-        "data": {"train_path": "unused.jsonl", "prompts_per_iteration": 1},
-        "trainer": {"global_batch_size": 2, "micro_batch_size": 1}})
+    cfg = shape_config(args.shape, args.dtype, args.seq - prompt)
     arch = cfg.model.arch
     learner = build_learner(cfg)
     g = torch.Generator().manual_seed(0)

@@ -14,8 +14,8 @@ through what it offers:
   positions, the attention layer, retraction, the scheduler's internal state, admission, sampling
   seeds, weight loading (CPU) and its progress bars;
 * on the trainer's side: the engine's event loop and tokenizer manager, its subprocess watchdog, when it
-  last answered, weight-update requests, generation with sampling supports, and the module whose
-  process starts it uses.
+  last answered, weight-update requests, generation with sampling supports, the shared-memory file it
+  leaves, and the module whose process starts it uses.
 
 Written against SGLang 0.5.23 (file and line references below are to that release).
 """
@@ -456,6 +456,17 @@ def generate_with_support(engine: Any, input_ids: list[list[int]], sampling_para
     request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
                                return_sampling_mask=True, sampling_logprobs_mode="selected")
     return run_on_engine_loop(engine, lambda manager: manager.generate_request(request, None).__anext__())
+
+
+def load_snapshot_file(engine: Any) -> Optional[str]:
+    """The file in /dev/shm where the engine's scheduler publishes its load (``managers/
+    load_snapshot.py``, named after the engine's ``instance_id``). SGLang never unlinks it (its writer's
+    ``close`` only unmaps it, and processes end by SIGKILL), so one was left per engine start: the
+    engine's owner removes it once the engine's processes are gone. None when it cannot be named."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    instance_id = getattr(getattr(engine, "port_args", None), "instance_id", "")
+    return shm_path_for(instance_id) if instance_id else None
 
 
 def engine_loop(engine: Any) -> Any:

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from sglang_patches import sglang_internals
 from sglang_patches.settings import side_buffer_bytes
 from sparse_rl_mega.kv import build_policy, compression_schedule, replay_compression
 from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
@@ -428,6 +429,8 @@ def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_sam
     assert server != os.getpid() and psutil.Process(server).ppid() == os.getpid()
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=512,
                            max_running_requests=4, name="victim")
+    # SGLang's scheduler publishes its load in a /dev/shm file it never removes
+    shm_files = [sglang_internals.load_snapshot_file(engine.engine)]
     try:
         assert engine.forked and server_of(engine) == server
         scheduler = next(pid for pid, name in engine.processes.items() if name == "scheduler")
@@ -446,6 +449,10 @@ def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_sam
     try:
         assert server_of(again) == server
         assert len(again.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)) == 1
+        shm_files.append(sglang_internals.load_snapshot_file(again.engine))
+        assert os.path.exists(shm_files[-1]), shm_files
     finally:
         again.shutdown()
     assert not set(again.processes) & {p.pid for p in psutil.Process().children(recursive=True)}
+    # gone with the engine, whether killed (the victim) or shut down
+    assert not [path for path in shm_files if os.path.exists(path)], shm_files

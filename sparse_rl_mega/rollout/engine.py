@@ -572,6 +572,7 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self._release_loop()
+            self._remove_load_snapshot()
             self.engine = None
         if self.on_shutdown is not None:
             self.on_shutdown()
@@ -605,9 +606,19 @@ class RolloutEngine:
                 pass
         forkserver.forget(self.processes)
         self._release_loop()
+        self._remove_load_snapshot()
         self.engine = None
         if self.on_shutdown is not None:
             self.on_shutdown()
+
+    def _remove_load_snapshot(self) -> None:
+        """Remove the /dev/shm file SGLang's scheduler left (its processes are gone by now)."""
+        path = sglang_internals.load_snapshot_file(self.engine)
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def _release_loop(self) -> None:
         """Cancel the tokenizer manager's tasks and close its event loop, on the call thread (bounded:

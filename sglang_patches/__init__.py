@@ -13,6 +13,17 @@ _installed = False
 
 
 def register() -> None:
+    """SGLang's loader logs and swallows an Exception from a plugin, and the engine would then decode
+    dense while its callers believe it compresses: any failure here ends the process instead, in one
+    line (SystemExit is not an Exception), so the engine's start fails."""
+    try:
+        _register()
+    except Exception as exc:
+        raise SystemExit(f"sparse-rl-mega's SGLang plugin failed in process {os.getpid()} "
+                         f"({type(exc).__name__}: {exc}): the engine must not run without it") from None
+
+
+def _register() -> None:
     global _installed
     if _installed or os.environ.get("SPARSE_RL_MEGA_PLUGIN_OFF") == "1":
         return

@@ -1,11 +1,16 @@
 """The one module that touches SGLang's internals (sglang_patches/sglang_internals.py): it is the only
 one, and it refuses any SGLang but the one it was written for, in the trainer and in SGLang's processes."""
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_patches import sglang_internals
+from sglang_patches.settings import ENV_VAR
 from sglang_patches.sglang_internals import SGLANG_VERSION, SGLangVersionError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +41,24 @@ def test_an_engine_and_the_plugin_refuse_another_sglang_before_starting(monkeypa
     installed = []
     monkeypatch.setattr(kv_eviction, "install", installed.append)
     monkeypatch.setattr(sglang_patches, "_installed", False)
-    with pytest.raises(SGLangVersionError, match=f"sglang {OTHER} is installed"):
+    with pytest.raises(SystemExit, match=f"SGLangVersionError: .*sglang {OTHER} is installed"):
         sglang_patches.register()
     assert installed == [] and not sglang_patches._installed
+
+
+def test_a_failing_plugin_ends_the_sglang_process_instead_of_leaving_it_dense():
+    """SGLang's plugin loader logs and swallows an Exception from a plugin: an engine whose KV settings
+    the plugin refuses would then decode dense under a compressed label (seen: evaluate.py's engine at
+    budget 32 with --sink 24 reported R-KV 56 with 0 evicted tokens). Through SGLang's own loader, the
+    process must end with the plugin's one line."""
+    settings = json.dumps({"policy": "rkv", "budget": 32, "sink": 24, "window": 8})  # 24 + 8 = the budget
+    result = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins\n"
+                             "load_plugins()\nprint('decoding without the plugin')"],
+                            env={**os.environ, ENV_VAR: settings}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "decoding without the plugin" not in result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith("sparse-rl-mega's SGLang plugin failed in process")
+    assert "PolicyError: budget 32 must exceed sink + window = 32" in result.stderr
 
 
 SGLANG_INTERNAL = re.compile(r"^\s*(from|import)\s+sglang\.srt\b|[.'\"]_subprocess_watchdog|last_receive_tstamp", re.M)

@@ -1,5 +1,6 @@
 """tools/evaluate.py: dense and sparse accuracy on one engine, against transformers' greedy decoding
 of the same prompts; pass@k against brute-force enumeration."""
+import dataclasses
 import itertools
 import json
 import statistics
@@ -261,6 +262,20 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
 
 
 @pytest.mark.unit
+@pytest.mark.unit
+def test_the_engine_own_kv_setting_is_checked_before_it_starts():
+    """--config's budget 32 with --sink 24 (24 + 8 = 32): each requested setting (rkv:56) is valid, but the
+    engine's own is not, and its plugin would refuse it at start (it once ran dense under the rkv:56 label)."""
+    from sparse_rl_mega.config import KVCompressionConfig
+
+    base = KVCompressionConfig(policy="rkv", budget=32, sink=24, window=8)
+    with pytest.raises(evaluate.UsageError, match=r"^the engine's KV setting \(rkv:32, the --config budget with the KV "
+                                                  r"flags\): budget 32 must exceed sink \+ window = 32 \(sink 24, "
+                                                  r"window 8\): use a larger budget"):
+        evaluate.parse_kv("rkv:56", base)
+    assert evaluate.parse_kv("rkv:56", dataclasses.replace(base, sink=22))[0][1]["budget"] == 56
+
+
 def test_kv_variants_name_the_rollout_setting():
     from sparse_rl_mega.config import KVCompressionConfig
     from sparse_rl_mega.evaluation import parse_kv_variants

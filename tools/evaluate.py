@@ -197,6 +197,11 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
     except ValueError as exc:
         raise UsageError(f"--kv: {exc}") from None
     engine = EngineKVSettings.from_config(base, allow_request_override=True)  # (as main starts it)
+    try:  # the engine's own setting, which its plugin checks at start (--config's budget with the flags)
+        check_request_kv(engine, None)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"the engine's KV setting ({base.policy}:{base.budget}, the --config budget with the KV "
+                         f"flags): {exc}{kv_fix(exc, dataclasses.asdict(base))}") from None
     for label, override in variants:
         if override is AUTO:
             raise UsageError(f"--kv rollout: the config's budget is automatic (rollout.kv_compression.auto_budget "

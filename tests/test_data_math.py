@@ -359,6 +359,51 @@ def test_long_sums_worked_answers_are_right_long_and_recall_what_they_wrote(tmp_
         (max(prompts), min(answers), sum(answers) / len(answers))
 
 
+def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
+    """The long-response task of examples/cpu_long_chain.yaml: raw prompts, each row's worked answer
+    recomputed here line by line from the prompt (two seeds, a key, mod 10) and scored 1 by the
+    example's reward (0 with the answer changed); the recalled step lies before the last; with the
+    task's own tokenizer every prompt (BOS included) fits the sink of 10 and 1.5x in the budget of 32,
+    every answer is >= 120 tokens and >= 4x the budget; held-out chains (seeds and key) appear in no
+    training row; the files are a function of the seed."""
+    from sparse_rl_mega.models.tiny import build_tokenizer
+    from sparse_rl_mega.reward.exact import exact_answer_reward
+
+    results = prepare_data.prepare(["chain_train", "chain_test"], tmp_path, arith_count=500, log=lambda *_: None)
+    train, test = ([json.loads(line) for line in results[name]["path"].read_text().splitlines()]
+                   for name in ("chain_train", "chain_test"))
+    assert (len(train), len(test)) == (500, prepare_data.CHAIN_TEST_SIZE)
+    again = prepare_data.prepare(["chain_test"], tmp_path / "again", arith_count=500, log=lambda *_: None)
+    assert again["chain_test"]["path"].read_text() == results["chain_test"]["path"].read_text()
+    chains = {}
+    for row in train + test:
+        match = re.fullmatch(r"Q: (\d) (\d) ([1-9]) s(\d+) A:", row["prompt"])
+        assert match, row["prompt"]
+        first, second, key, recall = (int(v) for v in match.groups())
+        digits = [first, second]
+        while len(digits) < prepare_data.CHAIN_STEPS:
+            digits.append((digits[-2] + digits[-1] + key) % 10)
+        lines = [f"s1 = {first} ;", f"s2 = {second} ;"] + [
+            f"s{k + 1} = {digits[k - 2]} + {digits[k - 1]} + {key} = {digits[k]} ;" for k in range(2, len(digits))]
+        total = digits[recall - 1] + digits[-1]
+        expected = " " + " ".join(lines) + (f" s{recall} + s{len(digits)} = {digits[recall - 1]} + {digits[-1]} = "
+                                            f"{total} . The answer is {total} .")
+        assert 1 <= recall < prepare_data.CHAIN_STEPS and row["worked"] == expected and row["label"] == str(total)
+        assert exact_answer_reward(row["worked"], row["label"]) == 1.0
+        assert exact_answer_reward(row["worked"].replace(f"is {total} .", f"is {total + 1} ."), row["label"]) == 0.0
+        chains.setdefault((first, second, key), set()).add(row["id"].split("/")[1])
+    assert all(len(splits) == 1 for splits in chains.values())  # no chain in both splits
+    every_train_chain = {re.match(r"Q: (\d \d \d)", p.question)[1]
+                         for p in prepare_data.digit_chains("train", 0, (900 - len(test)) * (prepare_data.CHAIN_STEPS - 1))}
+    assert not every_train_chain & {re.match(r"Q: (\d \d \d)", r["prompt"])[1] for r in test}
+    assert len({(r["prompt"]) for r in train}) == len(train)
+    tokenizer = build_tokenizer([r["prompt"] + r["worked"] for r in train] * 4, 320)
+    prompts = [len(tokenizer(r["prompt"])["input_ids"]) for r in train + test]
+    answers = [len(tokenizer(r["worked"])["input_ids"]) for r in train + test]
+    assert max(prompts) <= 10 and 1.5 * max(prompts) <= 32 and min(answers) >= max(120, 4 * 32), \
+        (max(prompts), min(answers))
+
+
 def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path):
     """model.create_tiny's supervised warm start on a data file with worked answers (long_sums): the
     built folder loads in transformers, and 40 steps (batch 8, warm-up and decay of the learning rate)

@@ -32,6 +32,12 @@ imported):
                (``"worked"``: ~140 tokens) for the supervised warm start; raw prompts (no
                instruction, no chat template)
   long_sums_test   128 more (held out, disjoint for the same --seed)
+  chain_train  generated, the long-response task of examples/cpu_long_chain.yaml: "Q: 3 7 4 s5 A:",
+               a chain of 12 digits from two seeds and a key (each step the last two digits plus the
+               key, mod 10, written one line a step, so each line needs only the line before it),
+               then one early digit (step 1-11, drawn per problem) recalled and added to the last;
+               --arith-count problems with their worked answers (~140 tokens); raw prompts
+  chain_test   128 more, from seeds and keys that no training problem uses (held out)
 
 GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
 for a small model to get reward on CPU: GSM8K problems solved in one or two calculator steps whose
@@ -150,6 +156,8 @@ SOURCES: dict[str, Source] = {
     "teen_sums_test": Source(None, None, None, lambda seed, count: teen_sums("test", seed)),
     "long_sums_train": Source(None, None, None, lambda seed, count: long_sums("train", seed, count)),
     "long_sums_test": Source(None, None, None, lambda seed, count: long_sums("test", seed, count)),
+    "chain_train": Source(None, None, None, lambda seed, count: digit_chains("train", seed, count)),
+    "chain_test": Source(None, None, None, lambda seed, count: digit_chains("test", seed, count)),
 }
 
 
@@ -276,6 +284,46 @@ def long_sums(split: str, seed: int, count: int) -> list[Problem]:
     return problems[:LONG_SUMS_TEST_SIZE] if split == "test" else problems[LONG_SUMS_TEST_SIZE:]
 
 
+CHAIN_STEPS = 12
+CHAIN_TEST_SIZE = 128
+
+
+def chain_problem(first: int, second: int, key: int, recall: int, index: str) -> Problem:
+    """The long-response task whose steps survive eviction and whose last step does not: the digits
+    ``s1 = first``, ``s2 = second``, ``s<k> = (s<k-2> + s<k-1> + key) mod 10`` written one line a step
+    (every line restates what the next one needs, so a cache that keeps the recent lines keeps the
+    chain going), then ``s<recall> + s<CHAIN_STEPS>``, which must look up a line written up to ~120
+    tokens earlier. Raw prompt ``Q: 3 7 4 s5 A:``; worked answer `` s1 = 3 ; s2 = 7 ; s3 = 3 + 7 + 4
+    = 4 ; ... s5 + s12 = 9 + 1 = 10 . The answer is 10 .``"""
+    digits, lines = [first, second], [f" s1 = {first} ;", f" s2 = {second} ;"]
+    for k in range(3, CHAIN_STEPS + 1):
+        digits.append((digits[-2] + digits[-1] + key) % 10)
+        lines.append(f" s{k} = {digits[-3]} + {digits[-2]} + {key} = {digits[-1]} ;")
+    a, b = digits[recall - 1], digits[-1]
+    worked = "".join(lines) + f" s{recall} + s{CHAIN_STEPS} = {a} + {b} = {a + b} . The answer is {a + b} ."
+    return Problem(f"Q: {first} {second} {key} s{recall} A:", str(a + b), index, True, worked=worked, raw=True)
+
+
+def digit_chains(split: str, seed: int, count: int) -> list[Problem]:
+    """Chains from seeds 0-9, 0-9 and a key 1-9 (900), shuffled by ``seed``: ``test`` one problem each
+    for the first ``CHAIN_TEST_SIZE`` chains (the recalled step drawn from 1..CHAIN_STEPS-1), ``train``
+    ``count`` distinct (chain, recalled step) problems from the other chains only, so held-out accuracy
+    measures the computation, not a memorised chain."""
+    rng = random.Random(seed)
+    chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
+    rng.shuffle(chains)
+    held_out, rest = chains[:CHAIN_TEST_SIZE], chains[CHAIN_TEST_SIZE:]
+    if split == "test":
+        return [chain_problem(*chain, rng.randint(1, CHAIN_STEPS - 1), f"chain/test/{i}")
+                for i, chain in enumerate(held_out)]
+    available = len(rest) * (CHAIN_STEPS - 1)
+    if count > available:
+        raise PrepareError(f"--arith-count {count}: chain_train has only {available} distinct problems")
+    picks = rng.sample(range(available), count)
+    return [chain_problem(*rest[p // (CHAIN_STEPS - 1)], p % (CHAIN_STEPS - 1) + 1, f"chain/train/{i}")
+            for i, p in enumerate(picks)]
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -322,7 +370,7 @@ def prepare(benchmarks: list[str], out: str | Path = DEFAULT_OUT, limit: Optiona
         except (OSError, ValueError) as exc:
             raise PrepareError(f"--tokenizer: {exc} (or pass --no-chat-template)") from exc
     style = f"chat template of {tokenizer}" if chat_tokenizer is not None else "plain text (no chat template)"
-    log(f"[prepare_data] prompts: question + instruction \"{instruction}\"; {style} (long_sums: the question alone)")
+    log(f"[prepare_data] prompts: question + instruction \"{instruction}\"; {style} (long_sums, chain: the question alone)")
 
     data_dir = None
     results = {}

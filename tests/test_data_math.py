@@ -405,24 +405,25 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
 
 
 def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path):
-    """model.create_tiny's supervised warm start on a data file with worked answers (long_sums): the
-    built folder loads in transformers, and 40 steps (batch 8, warm-up and decay of the learning rate)
-    lower the loss of held-out prompts' worked answers against the same model built with none."""
+    """model.create_tiny's supervised warm start on a data file with worked answers (the chain task of
+    examples/cpu_long_chain.yaml): the built folder loads in transformers, and 40 steps (batch 8,
+    warm-up and decay of the learning rate) lower the loss of held-out prompts' worked answers against
+    the same model built with none."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sparse_rl_mega.config import ArchConfig, TinyModelConfig
     from sparse_rl_mega.models.tiny import build_tiny_model
 
-    results = prepare_data.prepare(["long_sums_train", "long_sums_test"], tmp_path, arith_count=200,
+    results = prepare_data.prepare(["chain_train", "chain_test"], tmp_path, arith_count=200,
                                    log=lambda *_: None)
-    held_out = [json.loads(line) for line in results["long_sums_test"]["path"].read_text().splitlines()[:16]]
+    held_out = [json.loads(line) for line in results["chain_test"]["path"].read_text().splitlines()[:16]]
     arch = ArchConfig(family="llama", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
                       num_query_groups=1, vocab_size=320, max_position_embeddings=512)
 
     def held_out_loss(steps: int) -> float:
         spec = TinyModelConfig(tokenizer_vocab_size=320, warmup_sft_steps=steps, warmup_batch_size=8, warmup_decay=True)
-        folder = build_tiny_model(tmp_path / f"model{steps}", arch, spec, str(results["long_sums_train"]["path"]),
+        folder = build_tiny_model(tmp_path / f"model{steps}", arch, spec, str(results["chain_train"]["path"]),
                                   log=lambda *_: None)
         model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
         losses = []

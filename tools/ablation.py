@@ -4,7 +4,7 @@
     python tools/ablation.py examples/cpu_smollm2.yaml                       # naive, sparse_rl, dense
     python tools/ablation.py examples/cpu_tiny.yaml --variants naive,sparse_rl,tis --iterations 5
     python tools/ablation.py examples/cpu_smollm2_tight_kv.yaml --budgets 32,44,56 --auto sparse_rl   # budget map
-    python tools/ablation.py examples/cpu_long_sums.yaml --seeds 1,2,3        # three seeds per variant
+    python tools/ablation.py examples/cpu_long_chain.yaml --seeds 1,2,3       # three seeds per variant
 
 Variants (same seed, data, prompts order and sampling seeds; only what the variant names changes):
 
@@ -74,7 +74,9 @@ PANELS = [("training reward", [("reward/mean", "")]),
           ("largest importance weight (their mean is 1)", [("correction/is_weight_max", "")]),
           ("evicted tokens per sample", [("kv/evicted_tokens_per_sample", "")])]
 PANELS.append(("KV budget (the automatic budget's, or the fixed one)", [("kv/budget", "")]))
-CURVES = [key for _, lines in PANELS for key, _ in lines] + ["kv/peak_fraction_of_dense", "kv/peak_tokens_per_sample"]
+CURVES = [key for _, lines in PANELS for key, _ in lines] + ["kv/peak_fraction_of_dense", "kv/peak_tokens_per_sample",
+                                                             "correction/veto_fraction", "rollout/tokens_per_s",
+                                                             "time/iteration_s"]
 AUTO_KEY = "rollout.kv_compression.auto_budget"
 
 
@@ -367,13 +369,17 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
                "k3_mean": _mean(d["curves"]["mismatch/k3"].values()),
                "token_rejected_mean": _mean(d["curves"]["correction/token_rejected_fraction"].values()),
                "token_rejected_low_mean": _mean(d["curves"]["correction/token_rejected_low_fraction"].values()),
+               "token_rejected_high_mean": _mean(d["curves"]["correction/token_rejected_high_fraction"].values()),
+               "veto_mean": _mean(d["curves"]["correction/veto_fraction"].values()),
                "is_weight_max_mean": _mean(d["curves"]["correction/is_weight_max"].values()),
                # the rollouts' KV: the budget (its mean over iterations when automatic) and each sample's
                # peak KV in tokens (prompt included) and as a fraction of its dense KV (1 for dense rollouts)
                "budget_mean": _mean(d["curves"]["kv/budget"].values()),
                "peak_kv_tokens": _mean(d["curves"]["kv/peak_tokens_per_sample"].values()),
                "peak_kv_fraction": _mean(d["curves"]["kv/peak_fraction_of_dense"].values())
-               if name != "dense" else 1.0}
+               if name != "dense" else 1.0,
+               "rollout_tokens_per_s": _mean(d["curves"]["rollout/tokens_per_s"].values()),
+               "iteration_s": _mean(d["curves"]["time/iteration_s"].values())}
         rows.append(row)
     accuracy = held_out(data)
     table = _table(rows) + ("\n\nHeld-out mean@k after the last iteration, +- s.e. over problems (ratios and "

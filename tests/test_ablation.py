@@ -191,7 +191,7 @@ def test_ablation_compares_naive_and_sparse_rl(tmp_path, tiny_model_dir):
         assert rows[variant]["reward_first"] == history(variant, "reward/mean")[0]
         assert rows[variant]["peak_kv_tokens"] == history(variant, "kv/peak_tokens_per_sample")[0] > 0
         # rollout speed: the 4 x 4 samples' response tokens over the engine's generate time
-        assert rows[variant]["rollout_tokens_per_s"] == history(variant, "rollout/tokens_per_s")[0] == pytest.approx(
+        assert rows[variant]["rollout_tokens_per_s"] == history(variant, "time/rollout_tokens_per_s")[0] == pytest.approx(
             16 * history(variant, "rollout/response_len_mean")[0] / history(variant, "time/generate_s")[0], rel=1e-9)
         assert rows[variant]["veto_mean"] == history(variant, "correction/veto_fraction")[0]
     (summary,) = client.search_runs([client.get_experiment_by_name("ablation").experiment_id],

@@ -75,7 +75,7 @@ PANELS = [("training reward", [("reward/mean", "")]),
           ("evicted tokens per sample", [("kv/evicted_tokens_per_sample", "")])]
 PANELS.append(("KV budget (the automatic budget's, or the fixed one)", [("kv/budget", "")]))
 CURVES = [key for _, lines in PANELS for key, _ in lines] + ["kv/peak_fraction_of_dense", "kv/peak_tokens_per_sample",
-                                                             "correction/veto_fraction", "rollout/tokens_per_s",
+                                                             "correction/veto_fraction", "time/rollout_tokens_per_s",
                                                              "time/iteration_s"]
 AUTO_KEY = "rollout.kv_compression.auto_budget"
 
@@ -378,7 +378,7 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
                "peak_kv_tokens": _mean(d["curves"]["kv/peak_tokens_per_sample"].values()),
                "peak_kv_fraction": _mean(d["curves"]["kv/peak_fraction_of_dense"].values())
                if name != "dense" else 1.0,
-               "rollout_tokens_per_s": _mean(d["curves"]["rollout/tokens_per_s"].values()),
+               "rollout_tokens_per_s": _mean(d["curves"]["time/rollout_tokens_per_s"].values()),
                "iteration_s": _mean(d["curves"]["time/iteration_s"].values())}
         rows.append(row)
     accuracy = held_out(data)

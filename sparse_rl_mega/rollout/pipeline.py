@@ -259,7 +259,7 @@ class RolloutPipeline:
                if shards[0]["budget"] is not None else {}),
             "time/generate_s": max(end - start for _, start, end in generated),  # the slowest engine's
             # response tokens decoded per second of that slowest engine's wall time (all engines together)
-            "rollout/tokens_per_s": sum(response_lens) / max(max(end - start for _, start, end in generated), 1e-9),
+            "time/rollout_tokens_per_s": sum(response_lens) / max(max(end - start for _, start, end in generated), 1e-9),
             "time/engine_idle_s": max(s["idle_s"] for s in shards),  # before it started this batch
         }
         if dist.get_rank() == 0:

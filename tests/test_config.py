@@ -169,10 +169,10 @@ def test_dry_run_says_how_rollouts_sample():
 
 def test_long_chain_example_plans_compressed_requests_at_a_quarter_of_dense():
     """examples/cpu_long_chain.yaml (the long-response setting) under --plan: a request holds at most its
-    10-token prompt + budget 32 + interval 4 + 1 slots against 210 dense."""
+    10-token prompt + budget 32 + interval 4 + 1 slots against 250 dense."""
     proc = _launch("examples/cpu_long_chain.yaml", "--plan", "--gpu-memory-gb", "80", "--prompt-tokens", "10")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "per request  dense 210 tokens" in proc.stdout and "sparse 47 (prompt" in proc.stdout, proc.stdout
+    assert "per request  dense 250 tokens" in proc.stdout and "sparse 47 (prompt" in proc.stdout, proc.stdout
     assert "verdict    fits" in proc.stdout
 
 

@@ -384,7 +384,8 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
         while len(digits) < prepare_data.CHAIN_STEPS:
             digits.append((digits[-2] + digits[-1] + key) % 10)
         lines = [f"s1 = {first} ;", f"s2 = {second} ;"] + [
-            f"s{k + 1} = {digits[k - 2]} + {digits[k - 1]} + {key} = {digits[k]} ;" for k in range(2, len(digits))]
+            f"s{k + 1} = {digits[k - 2]} + {digits[k - 1]} = {digits[k - 2] + digits[k - 1]} + {key} = "
+            f"{digits[k - 2] + digits[k - 1] + key} , {digits[k]} ;" for k in range(2, len(digits))]
         total = digits[recall - 1] + digits[-1]
         expected = " " + " ".join(lines) + (f" s{recall} + s{len(digits)} = {digits[recall - 1]} + {digits[-1]} = "
                                             f"{total} . The answer is {total} .")

@@ -36,7 +36,7 @@ imported):
                a chain of 12 digits from two seeds and a key (each step the last two digits plus the
                key, mod 10, written one line a step, so each line needs only the line before it),
                then one early digit (step 1-11, drawn per problem) recalled and added to the last;
-               --arith-count problems with their worked answers (~140 tokens); raw prompts
+               --arith-count problems with their worked answers (~180 tokens); raw prompts
   chain_test   128 more, from seeds and keys that no training problem uses (held out)
 
 GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
@@ -290,15 +290,19 @@ CHAIN_TEST_SIZE = 128
 
 def chain_problem(first: int, second: int, key: int, recall: int, index: str) -> Problem:
     """The long-response task whose steps survive eviction and whose last step does not: the digits
-    ``s1 = first``, ``s2 = second``, ``s<k> = (s<k-2> + s<k-1> + key) mod 10`` written one line a step
-    (every line restates what the next one needs, so a cache that keeps the recent lines keeps the
-    chain going), then ``s<recall> + s<CHAIN_STEPS>``, which must look up a line written up to ~120
-    tokens earlier. Raw prompt ``Q: 3 7 4 s5 A:``; worked answer `` s1 = 3 ; s2 = 7 ; s3 = 3 + 7 + 4
-    = 4 ; ... s5 + s12 = 9 + 1 = 10 . The answer is 10 .``"""
+    ``s1 = first``, ``s2 = second``, ``s<k> = (s<k-2> + s<k-1> + key) mod 10`` written one line a step,
+    each as two additions of two numbers and the last digit (``s3 = 3 + 7 = 10 + 4 = 14 , 4 ;``: a
+    0.9 M-parameter model did not learn the three-digit sum mod 10 in one step, 7 % of chains right
+    greedy after 1500 warm-up steps); every line restates what the next one needs (its second operand
+    and its digit), so a cache that keeps the recent lines keeps the chain going. Then
+    ``s<recall> + s<CHAIN_STEPS>``, which must look up a line written up to ~150 tokens earlier. Raw
+    prompt ``Q: 3 7 4 s5 A:``; worked answer `` s1 = 3 ; s2 = 7 ; s3 = 3 + 7 = 10 + 4 = 14 , 4 ; ...
+    s5 + s12 = 9 + 1 = 10 . The answer is 10 .``"""
     digits, lines = [first, second], [f" s1 = {first} ;", f" s2 = {second} ;"]
     for k in range(3, CHAIN_STEPS + 1):
         digits.append((digits[-2] + digits[-1] + key) % 10)
-        lines.append(f" s{k} = {digits[-3]} + {digits[-2]} + {key} = {digits[-1]} ;")
+        pair = digits[-3] + digits[-2]
+        lines.append(f" s{k} = {digits[-3]} + {digits[-2]} = {pair} + {key} = {pair + key} , {digits[-1]} ;")
     a, b = digits[recall - 1], digits[-1]
     worked = "".join(lines) + f" s{recall} + s{CHAIN_STEPS} = {a} + {b} = {a + b} . The answer is {a + b} ."
     return Problem(f"Q: {first} {second} {key} s{recall} A:", str(a + b), index, True, worked=worked, raw=True)

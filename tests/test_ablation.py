@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import ROOT, TRAIN_DATA, run_tool, write_test_config
 from sparse_rl_mega.config import load_config
-from tools.ablation import base_variant, held_out, plan, plot_budget_map, ratio_with_stderr, variant_overrides
+from tools.ablation import (CURVES, base_variant, held_out, plan, plot_budget_map, ratio_with_stderr, summarize,
+                           variant_overrides)
 
 # one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
 ONE_PROCESS = ["--set", "checkpoint.save_interval=0", "--set", "parallel.nproc_per_node=1",
@@ -113,6 +114,24 @@ def test_seeds_run_every_variant_per_seed_and_pair_each_with_its_own_dense(tmp_p
     assert naive["ratio_to_dense_stderr_seeds"] == pytest.approx(((0.25 ** 2 * 2) / 1 / 2) ** 0.5)
     assert merged[("dense", "rkv:12")]["after"] == pytest.approx(0.75)
     assert over_seeds(held_out({"naive": data["naive_s1"], "dense": data["dense_s1"]})) == []
+
+
+@pytest.mark.unit
+def test_training_metrics_over_seeds():
+    """The summary's training table over seeds: per variant, each metric's mean and its standard error
+    across seeds (by hand: k3 0.2 and 0.4 -> 0.300 +- 0.100), a metric one seed did not log (NaN) left
+    out of its mean, runs without a seed not merged; a dense run's peak KV is all of dense."""
+    from tools.ablation import training_over_seeds
+
+    rows = [{"variant": "naive_s1", "iterations": 3, "k3_mean": 0.2, "veto_mean": float("nan")},
+            {"variant": "naive_s2", "iterations": 3, "k3_mean": 0.4, "veto_mean": 0.5},
+            {"variant": "dense", "iterations": 3, "k3_mean": 0.0, "veto_mean": 0.0}]
+    assert training_over_seeds(rows) == [{"variant": "naive", "seeds": 2, "k3_mean": "0.300 +- 0.100",
+                                          "veto_mean": "0.500"}]
+    empty = {"curves": {key: {} for key in CURVES} | {"reward/mean": {0: 0.5}}, "eval": []}
+    rows, _, table = summarize({"dense_s1": empty, "naive_s1": empty})
+    assert [row["peak_kv_fraction"] for row in rows] == [1.0, pytest.approx(float("nan"), nan_ok=True)]
+    assert "Training metrics over seeds" in table
 
 
 @pytest.mark.unit

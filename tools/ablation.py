@@ -346,6 +346,29 @@ def over_seeds(accuracy: list[dict]) -> list[dict]:
     return out
 
 
+def training_over_seeds(rows: list[dict]) -> list[dict]:
+    """Per variant (seeds merged): each training metric of :func:`summarize`'s rows as ``"mean +- s.e."``
+    across seeds (a markdown cell). Nothing when no run has a seed."""
+    from sparse_rl_mega.evaluation import mean_stderr
+
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        base, seed = split_seed(row["variant"])
+        if seed is not None:
+            groups.setdefault(base, []).append(row)
+    out = []
+    for base, runs in groups.items():
+        merged: dict = {"variant": base, "seeds": len(runs)}
+        for key, value in runs[0].items():
+            if key in ("variant", "iterations") or not isinstance(value, float):
+                continue
+            values = [r[key] for r in runs if r[key] == r[key]]  # (NaN: a metric that run did not log)
+            merged[key] = ("nan" if not values else f"{sum(values) / len(values):.3f}" if len(values) == 1
+                           else f"{sum(values) / len(values):.3f} +- {mean_stderr(values):.3f}")
+        out.append(merged)
+    return out
+
+
 def _table(rows: list[dict]) -> str:
     keys = list(dict.fromkeys(k for row in rows for k in row))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -377,7 +400,7 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
                "budget_mean": _mean(d["curves"]["kv/budget"].values()),
                "peak_kv_tokens": _mean(d["curves"]["kv/peak_tokens_per_sample"].values()),
                "peak_kv_fraction": _mean(d["curves"]["kv/peak_fraction_of_dense"].values())
-               if name != "dense" else 1.0,
+               if base_variant(name) != "dense" else 1.0,
                "rollout_tokens_per_s": _mean(d["curves"]["time/rollout_tokens_per_s"].values()),
                "iteration_s": _mean(d["curves"]["time/iteration_s"].values())}
         rows.append(row)
@@ -387,6 +410,8 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
     seeds = over_seeds(accuracy)
     if seeds:
         table += "\n\nOver seeds (means, s.e. across seeds):\n\n" + _table(seeds)
+    if any(split_seed(row["variant"])[1] is not None for row in rows):
+        table += "\n\nTraining metrics over seeds (mean +- s.e. across seeds):\n\n" + _table(training_over_seeds(rows))
     return rows, accuracy, table
 
 

@@ -322,6 +322,16 @@ def held_out(data: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def _seed_groups(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
+    """The rows of seeded runs grouped by (variant without its seed, *the rows' ``fields``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        base, seed = split_seed(row["variant"])
+        if seed is not None:
+            groups.setdefault((base, *(row[f] for f in fields)), []).append(row)
+    return groups
+
+
 def over_seeds(accuracy: list[dict]) -> list[dict]:
     """Per variant (seeds merged) and KV setting: the mean over seeds of the held-out accuracy, of the
     ratio to the same seed's dense variant and of the drop from dense decoding, each with its standard
@@ -329,13 +339,8 @@ def over_seeds(accuracy: list[dict]) -> list[dict]:
     per-run table). Nothing when no run has a seed."""
     from sparse_rl_mega.evaluation import mean_stderr
 
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for row in accuracy:
-        base, seed = split_seed(row["variant"])
-        if seed is not None:
-            groups.setdefault((base, row["setting"]), []).append(row)
     out = []
-    for (base, setting), rows in groups.items():
+    for (base, setting), rows in _seed_groups(accuracy, "setting").items():
         merged = {"variant": base, "setting": setting, "seeds": len(rows)}
         for key in ("after", "ratio_to_dense", "drop_from_dense"):
             values = [r[key] for r in rows if key in r]
@@ -351,13 +356,8 @@ def training_over_seeds(rows: list[dict]) -> list[dict]:
     across seeds (a markdown cell). Nothing when no run has a seed."""
     from sparse_rl_mega.evaluation import mean_stderr
 
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        base, seed = split_seed(row["variant"])
-        if seed is not None:
-            groups.setdefault(base, []).append(row)
     out = []
-    for base, runs in groups.items():
+    for (base,), runs in _seed_groups(rows).items():
         merged: dict = {"variant": base, "seeds": len(runs)}
         for key, value in runs[0].items():
             if key in ("variant", "iterations") or not isinstance(value, float):
@@ -410,8 +410,9 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
     seeds = over_seeds(accuracy)
     if seeds:
         table += "\n\nOver seeds (means, s.e. across seeds):\n\n" + _table(seeds)
-    if any(split_seed(row["variant"])[1] is not None for row in rows):
-        table += "\n\nTraining metrics over seeds (mean +- s.e. across seeds):\n\n" + _table(training_over_seeds(rows))
+    training = training_over_seeds(rows)
+    if training:
+        table += "\n\nTraining metrics over seeds (mean +- s.e. across seeds):\n\n" + _table(training)
     return rows, accuracy, table
 
 

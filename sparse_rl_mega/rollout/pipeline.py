@@ -63,7 +63,7 @@ class SampledBatch:
     """An iteration's samples gathered from every engine (every rank holds the whole batch)."""
     iteration: int
     batch: RolloutBatch
-    metrics: dict[str, float]   # rollout/, reward/, kv/ and the engines' time/generate_s, time/engine_idle_s
+    metrics: dict[str, float]   # rollout/, reward/, kv/ and the engines' time/generate_s, time/rollout_tokens_per_s, time/engine_idle_s
     example: str                # the first response, for the console
 
     def state(self) -> dict:
@@ -234,6 +234,7 @@ class RolloutPipeline:
         for s in shards:
             scored.add(s["scorer"])
         generated = [s["generated"] for s in shards]
+        generate_s = max(end - start for _, start, end in generated)  # the slowest engine's
         metrics = {
             "reward/mean": float(batch.rewards.mean()),
             **scored.metrics("reward/"),
@@ -257,9 +258,9 @@ class RolloutPipeline:
                 # the most KV one request held in a decode step, as the engines measured it
                 "kv/peak_request_tokens": max(s["peak_request_tokens"] for s in shards)}
                if shards[0]["budget"] is not None else {}),
-            "time/generate_s": max(end - start for _, start, end in generated),  # the slowest engine's
+            "time/generate_s": generate_s,
             # response tokens decoded per second of that slowest engine's wall time (all engines together)
-            "time/rollout_tokens_per_s": sum(response_lens) / max(max(end - start for _, start, end in generated), 1e-9),
+            "time/rollout_tokens_per_s": sum(response_lens) / max(generate_s, 1e-9),
             "time/engine_idle_s": max(s["idle_s"] for s in shards),  # before it started this batch
         }
         if dist.get_rank() == 0:

@@ -13,6 +13,7 @@ import pytest
 from sparse_rl_mega.config import ConfigError, DataConfig, config_from_dict
 from sparse_rl_mega.data import DataError, load_prompt_dataset
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, last_boxed, render_prompt
+from tests.conftest import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -437,3 +438,22 @@ def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path):
 
     before, after = held_out_loss(0), held_out_loss(40)
     assert after < before - 0.5, (before, after)  # nats per token: 5.77 -> 4.88 here
+
+    # the example itself in its smallest form: the 40-step folder in the engine and the learner, one
+    # iteration of 2 prompts x 8 samples of up to 240 tokens under its R-KV 32, then its held-out evaluation
+    # (dense and compressed) on 2 problems; compressed, the rollouts' pool peaks at <= 16 requests x (prompt
+    # <= 10 + budget 32 + interval 4 + 1) slots, against up to 16 x 250 dense
+    evaluated = tmp_path / "held_out.jsonl"
+    evaluated.write_text("".join(results["chain_test"]["path"].read_text().splitlines(keepends=True)[:2]))
+    layout = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
+    proc = run_launch(ROOT / "examples" / "cpu_long_chain.yaml", "--set", f"model.path={tmp_path / 'model40'}",
+                      *[f"--set=model.arch.{key}={value}" for key, value in layout.items()],
+                      "--set", f"data.train_path={results['chain_train']['path']}", "--set", f"eval.path={evaluated}",
+                      "--set", "data.prompts_per_iteration=2", "--set", "trainer.global_batch_size=16",
+                      "--set", "trainer.micro_batch_size=8", "--set", "trainer.iterations=1",
+                      "--set", "eval.n_samples=1", "--set", "checkpoint.save_interval=0",
+                      "--set", "tracking.enabled=false", "--set", f"trainer.run_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("[iter 1/1]"))
+    evicted, peak = re.search(r"budget 32 evicted/sample ([\d.]+) peak KV (\d+)", line).groups()
+    assert float(evicted) > 0 and int(peak) <= 16 * (10 + 32 + 4 + 1), line

@@ -4,6 +4,10 @@
 #   make test   the test suite (4-12 min on 2 cores, with the machine's speed: docs/testing.md)
 #   make test-fast   the pure tests alone (tier 'unit': no engine, no torchrun; about a minute)
 #   make demo-tiny   the same loop on a tiny locally built model (about a minute)
+#   make long-chain  long responses (177 tokens) under R-KV 32: examples/cpu_long_chain.yaml, its data and
+#               model built on first use (~19 min), then 30 iterations with held-out evaluations (~40 min)
+#   make long-chain-study   that setting's study: dense, naive, sparse_rl x seeds 1-3, 12 iterations each
+#               (~12 min a run; resumable: runs finished in runs/ablation/long_chain are kept)
 #   again over an earlier run's folder: make demo ARGS=--resume (continue it) or ARGS=--overwrite (start anew)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +20,7 @@ export DO_NOT_TRACK := true
 SMOLLM2 := runs/assets/smollm2-135m-instruct
 RUN ?= runs/cpu_smollm2
 
-.PHONY: env demo demo-tiny test test-fast mlflow-ui clean
+.PHONY: env demo demo-tiny long-chain long-chain-study test test-fast mlflow-ui clean
 
 env:
 	@bash tools/setup_env.sh $(VENV)
@@ -33,6 +37,17 @@ demo: env
 
 demo-tiny: env
 	$(PY) tools/launch.py examples/cpu_tiny.yaml $(FRESH) $(ARGS)
+
+CHAIN_DATA = $(PY) tools/prepare_data.py --benchmarks chain_train,chain_test --arith-count 4000
+
+long-chain: env
+	$(CHAIN_DATA)
+	$(PY) tools/launch.py examples/cpu_long_chain.yaml $(FRESH) $(ARGS)
+
+long-chain-study: env
+	$(CHAIN_DATA)
+	$(PY) tools/ablation.py examples/cpu_long_chain.yaml --seeds 1,2,3 --iterations 12 \
+		--set eval.interval=0 --set eval.before_training=false --out runs/ablation/long_chain $(ARGS)
 
 test: env
 	$(PY) -m pytest

@@ -135,6 +135,29 @@ def test_training_metrics_over_seeds():
 
 
 @pytest.mark.unit
+def test_seeded_runs_are_drawn_as_their_mean_over_seeds(tmp_path):
+    """The figure with seeds: one line per variant (seeds merged; runs without a seed beside them stay
+    apart only when no run has one), at each iteration the mean over the seeds that logged it and the
+    standard error across them (by hand: 0.2 and 0.4 -> 0.3 +- 0.1; a step one seed lacks: that seed's
+    value alone, s.e. 0); the figure is written."""
+    from tools.ablation import mean_curve, plot, plot_groups
+
+    assert plot_groups({"naive_s1": {}, "dense_s1": {}, "naive_s2": {}}) == {"naive": ["naive_s1", "naive_s2"],
+                                                                          "dense": ["dense_s1"]}
+    assert plot_groups({"naive": {}, "sparse_rl_b32": {}}) == {"naive": ["naive"], "sparse_rl_b32": ["sparse_rl_b32"]}
+    steps, mean, stderr = mean_curve([{0: 0.2, 1: 0.5}, {0: 0.4}])
+    assert steps == [0, 1] and mean == pytest.approx([0.3, 0.5]) and stderr == pytest.approx([0.1, 0.0])
+
+    def run(reward: float, correct: list[int]) -> dict:
+        evaluation = {"iteration": 2, "results": {"dense": {"mean_at_k": sum(correct) / 8, "mean_at_k_stderr": 0.1,
+                                                            "correct_per_problem": correct}}}
+        return {"curves": {key: {0: reward, 1: reward} for key in CURVES}, "eval": [evaluation]}
+    plot({"naive_s1": run(0.2, [1, 3]), "naive_s2": run(0.4, [2, 2]), "dense_s1": run(0.5, [4, 4])},
+         tmp_path / "ablation.png")
+    assert (tmp_path / "ablation.png").stat().st_size > 10_000
+
+
+@pytest.mark.unit
 def test_accuracy_ratio_and_its_standard_error():
     """The delta-method standard error, checked against its expanded form
     var(r) = (var(x) - 2 r cov(x, y) + r^2 var(y)) / (n mean(y)^2)."""

@@ -29,7 +29,8 @@ Each variant is one ``tools/launch.py`` run into ``OUT/<variant>`` (on a CPU nod
 which imported the launcher's modules once: sparse_rl_mega/launches.py); all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
 ``OUT/ablation.png`` (reward, mismatch k3, token rejection by side, quantiles of log rho, the largest
-importance weight, evicted tokens and held-out accuracy with its standard error), ``OUT/ablation.md`` (a table of the training metrics and
+importance weight, evicted tokens and held-out accuracy with its standard error; with --seeds a line per
+variant, its mean over seeds with +- 1 s.e. across them), ``OUT/ablation.md`` (a table of the training metrics and
 one of the final held-out accuracies: per KV setting, the ratio to the dense variant's and the drop
 from dense decoding, each with its paired standard error) and ``OUT/ablation.json``, and logs them as a
 summary run. Every variant's config is validated before the first one starts. A variant that already
@@ -416,48 +417,99 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
     return rows, accuracy, table
 
 
+def plot_groups(data: dict[str, dict]) -> dict[str, list[str]]:
+    """The figure's lines: when any run has a seed, one per variant with its seeds merged
+    (``naive_s1``, ``naive_s2`` -> ``naive``), else one per run."""
+    if not any(split_seed(name)[1] is not None for name in data):
+        return {name: [name] for name in data}
+    groups: dict[str, list[str]] = {}
+    for name in data:
+        groups.setdefault(split_seed(name)[0], []).append(name)
+    return groups
+
+
+def mean_curve(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """One metric's histories (step -> value) of several runs -> (steps, mean over the runs that logged
+    each step, standard error across them: 0 where one did)."""
+    from sparse_rl_mega.evaluation import mean_stderr
+
+    steps = sorted({step for curve in curves for step in curve})
+    values = [[curve[step] for curve in curves if step in curve] for step in steps]
+    return steps, [sum(v) / len(v) for v in values], [mean_stderr(v) for v in values]
+
+
 def plot(data: dict[str, dict], path: Path) -> None:
+    """The training curves and the held-out accuracy, a colour per line of :func:`plot_groups`: seeded
+    variants as their mean over seeds with a band of +- 1 s.e. across seeds (held-out: error bars across
+    seeds), unseeded runs as they are (held-out: +- 1 s.e. over problems); one legend for the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
+    from sparse_rl_mega.evaluation import mean_stderr
+
+    groups = plot_groups(data)
+    seeded = any(split_seed(name)[1] is not None for name in data)
     has_eval = any(d["eval"] for d in data.values())
     panels = len(PANELS) + int(has_eval)
     columns = min(panels, 3)
     rows = -(-panels // columns)
-    fig, grid = plt.subplots(rows, columns, figsize=(4.4 * columns, 3.3 * rows), squeeze=False)
+    fig, grid = plt.subplots(rows, columns, figsize=(4.4 * columns, 3.3 * rows + 0.6), squeeze=False)
     axes = list(grid.flat)
     for ax in axes[panels:]:
         ax.set_visible(False)
     axes = axes[:panels]
     styles = ["-", "--", ":"]
     for ax, (title, lines) in zip(axes, PANELS):
-        for k, name in enumerate(data):
-            for (key, suffix), style in zip(lines, styles):
-                points = sorted(data[name]["curves"][key].items())
-                if not points:  # (a run logged before the metric existed)
+        for k, names in enumerate(groups.values()):
+            for (key, _), style in zip(lines, styles):
+                steps, mean, stderr = mean_curve([data[name]["curves"][key] for name in names])
+                if not steps:  # (runs logged before the metric existed)
                     continue
-                ax.plot([s + 1 for s, _ in points], [v for _, v in points], marker="o", markersize=3,
-                        linestyle=style, color=f"C{k}", label=name + suffix)
-        ax.set_title(title, fontsize=9)
+                x = [s + 1 for s in steps]
+                ax.plot(x, mean, marker="o", markersize=3, linestyle=style, color=f"C{k}")
+                if len(names) > 1:
+                    ax.fill_between(x, [m - e for m, e in zip(mean, stderr)], [m + e for m, e in zip(mean, stderr)],
+                                    color=f"C{k}", alpha=0.15, linewidth=0)
+        styled = ", ".join(f"{suffix.strip() or 'all'} {style}" for (_, suffix), style in zip(lines, styles)
+                           ) if len(lines) > 1 else ""
+        ax.set_title(title + (f"\n(lines: {styled})" if styled else ""), fontsize=9)
         ax.set_xlabel("iteration")
     if has_eval:
-        ax = axes[-1]
-        for k, (name, d) in enumerate(data.items()):
-            labels = list(d["eval"][-1]["results"]) if d["eval"] else []
+        ax, evaluated = axes[-1], set()
+        for k, names in enumerate(groups.values()):
+            labels = list(dict.fromkeys(label for name in names for h in data[name]["eval"] for label in h["results"]))
             for label in labels:
-                points = [(h["iteration"], h["results"][label]) for h in d["eval"] if label in h["results"]]
-                ax.errorbar([i for i, _ in points], [r["mean_at_k"] for _, r in points],
-                            yerr=[r.get("mean_at_k_stderr", 0.0) for _, r in points], marker="o", markersize=3,
-                            capsize=2, linestyle="-" if label == "dense" else "--", color=f"C{k}",
-                            label=f"{name} ({label})")
-        ax.set_title("held-out accuracy, mean@k +- 1 s.e. (dense decoding -)", fontsize=9)
+                by_iteration: dict[int, list[dict]] = {}
+                for name in names:
+                    for h in data[name]["eval"]:
+                        if label in h["results"]:
+                            by_iteration.setdefault(h["iteration"], []).append(h["results"][label])
+                iterations = sorted(by_iteration)
+                evaluated.update(iterations)
+                means = [sum(r["mean_at_k"] for r in by_iteration[i]) / len(by_iteration[i]) for i in iterations]
+                errors = [mean_stderr([r["mean_at_k"] for r in by_iteration[i]]) if len(names) > 1
+                          else by_iteration[i][0].get("mean_at_k_stderr", 0.0) for i in iterations]
+                ax.errorbar([i + 0.08 * (k - len(groups) / 2) for i in iterations], means, yerr=errors,
+                            marker="o" if label == "dense" else "s", markersize=4, capsize=2,
+                            linestyle="-" if label == "dense" else "--", color=f"C{k}")
+        several = [len(names) > 1 for names in groups.values()]
+        spread = ("across seeds" if all(several) else "across seeds (one run: over problems)" if any(several)
+                  else "over problems")
+        ax.set_title(f"held-out accuracy, mean@k +- 1 s.e. {spread}\n(o - dense decoding, s -- the rollouts' KV)",
+                     fontsize=9)
         ax.set_xlabel("iterations trained")
-        ax.set_ylim(0, 1)
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        if evaluated:
+            ax.set_xticks(sorted(evaluated))
+            ax.set_xlim(min(evaluated) - 0.5, max(evaluated) + 0.5)
+        ax.set_ylim(bottom=0)
+    handles = [Line2D([], [], color=f"C{k}", marker="o",
+                      label=f"{label} ({len(names)} seed{'s' if len(names) > 1 else ''})" if seeded else label)
+               for k, (label, names) in enumerate(groups.items())]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / (3.3 * rows + 0.6), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

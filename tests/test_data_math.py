@@ -406,7 +406,29 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
         (max(prompts), min(answers))
 
 
-def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path):
+# the chain task's model of the tests below: 2 layers, hidden 32
+CHAIN_LAYOUT = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
+
+
+def _build_chain_model(folder: Path, train_path: Path, steps: int) -> Path:
+    from sparse_rl_mega.config import ArchConfig, TinyModelConfig
+    from sparse_rl_mega.models.tiny import build_tiny_model
+
+    arch = ArchConfig(family="llama", vocab_size=320, max_position_embeddings=512, **CHAIN_LAYOUT)
+    spec = TinyModelConfig(tokenizer_vocab_size=320, warmup_sft_steps=steps, warmup_batch_size=8, warmup_decay=True)
+    return build_tiny_model(folder, arch, spec, str(train_path), log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def chain_rows(tmp_path_factory):
+    """The chain task's data (200 training rows) and a model warm-started 40 steps on them."""
+    folder = tmp_path_factory.mktemp("chain")
+    results = prepare_data.prepare(["chain_train", "chain_test"], folder, arith_count=200, log=lambda *_: None)
+    train, test = results["chain_train"]["path"], results["chain_test"]["path"]
+    return train, test, _build_chain_model(folder / "model40", train, 40)
+
+
+def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path, chain_rows):
     """model.create_tiny's supervised warm start on a data file with worked answers (the chain task of
     examples/cpu_long_chain.yaml): the built folder loads in transformers, and 40 steps (batch 8,
     warm-up and decay of the learning rate) lower the loss of held-out prompts' worked answers against
@@ -414,19 +436,10 @@ def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sparse_rl_mega.config import ArchConfig, TinyModelConfig
-    from sparse_rl_mega.models.tiny import build_tiny_model
+    train, test, warmed = chain_rows
+    held_out = [json.loads(line) for line in test.read_text().splitlines()[:16]]
 
-    results = prepare_data.prepare(["chain_train", "chain_test"], tmp_path, arith_count=200,
-                                   log=lambda *_: None)
-    held_out = [json.loads(line) for line in results["chain_test"]["path"].read_text().splitlines()[:16]]
-    arch = ArchConfig(family="llama", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
-                      num_query_groups=1, vocab_size=320, max_position_embeddings=512)
-
-    def held_out_loss(steps: int) -> float:
-        spec = TinyModelConfig(tokenizer_vocab_size=320, warmup_sft_steps=steps, warmup_batch_size=8, warmup_decay=True)
-        folder = build_tiny_model(tmp_path / f"model{steps}", arch, spec, str(results["chain_train"]["path"]),
-                                  log=lambda *_: None)
+    def held_out_loss(folder: Path) -> float:
         model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
         losses = []
         with torch.no_grad():
@@ -436,19 +449,23 @@ def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path):
                 losses.append(float(model(input_ids=torch.tensor([prompt + answer]), labels=labels).loss))
         return sum(losses) / len(losses)
 
-    before, after = held_out_loss(0), held_out_loss(40)
+    before, after = held_out_loss(_build_chain_model(tmp_path / "model0", train, 0)), held_out_loss(warmed)
     assert after < before - 0.5, (before, after)  # nats per token: 5.77 -> 4.88 here
 
-    # the example itself in its smallest form: the 40-step folder in the engine and the learner, one
-    # iteration of 2 prompts x 8 samples of up to 240 tokens under its R-KV 32, then its held-out evaluation
-    # (dense and compressed) on 2 problems; compressed, the rollouts' pool peaks at <= 16 requests x (prompt
-    # <= 10 + budget 32 + interval 4 + 1) slots, against up to 16 x 250 dense
+
+@pytest.mark.launch
+def test_the_long_chain_example_runs_an_iteration_in_its_smallest_form(tmp_path, chain_rows):
+    """examples/cpu_long_chain.yaml with the 40-step model of the chain rows (the engine and the
+    learner load the built folder): one iteration of 2 prompts x 8 samples of up to 240 tokens under its
+    R-KV 32, then its held-out evaluation (dense and compressed) on 2 problems. Compressed, the
+    rollouts' pool peaks at <= 16 requests x (prompt <= 10 + budget 32 + interval 4 + 1) slots, against
+    up to 16 x 250 dense."""
+    train, test, warmed = chain_rows
     evaluated = tmp_path / "held_out.jsonl"
-    evaluated.write_text("".join(results["chain_test"]["path"].read_text().splitlines(keepends=True)[:2]))
-    layout = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
-    proc = run_launch(ROOT / "examples" / "cpu_long_chain.yaml", "--set", f"model.path={tmp_path / 'model40'}",
-                      *[f"--set=model.arch.{key}={value}" for key, value in layout.items()],
-                      "--set", f"data.train_path={results['chain_train']['path']}", "--set", f"eval.path={evaluated}",
+    evaluated.write_text("".join(test.read_text().splitlines(keepends=True)[:2]))
+    proc = run_launch(ROOT / "examples" / "cpu_long_chain.yaml", "--set", f"model.path={warmed}",
+                      *[f"--set=model.arch.{key}={value}" for key, value in CHAIN_LAYOUT.items()],
+                      "--set", f"data.train_path={train}", "--set", f"eval.path={evaluated}",
                       "--set", "data.prompts_per_iteration=2", "--set", "trainer.global_batch_size=16",
                       "--set", "trainer.micro_batch_size=8", "--set", "trainer.iterations=1",
                       "--set", "eval.n_samples=1", "--set", "checkpoint.save_interval=0",

@@ -14,16 +14,20 @@ from pathlib import Path
 from typing import Optional
 
 LOCK_HELD_ENV = "SPARSE_RL_MEGA_LOCKED"  # set by a launcher that holds the job's folder locks
+# set by a tool that starts launches (sparse_rl_mega/launches.py): the launcher stops as on SIGTERM when
+# that tool (or the server it forked the launch from) ends, however it ends
+STOP_WITH_PARENT_ENV = "SPARSE_RL_MEGA_STOP_WITH_PARENT"
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """This process gets SIGKILL when the process that started it (the launcher or torchrun agent)
-    ends, however it ends: no learner rank outlives its job (its engine's processes die with it in
-    turn, they ask the same of their parent)."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """This process gets ``signum`` (SIGKILL unless asked otherwise) when the process that started it
+    (the launcher or torchrun agent) ends, however it ends: no learner rank outlives its job (its
+    engine's processes die with it in turn, they ask the same of their parent). A launcher started by a
+    tool asks for SIGTERM, so that it stops its job as a user's SIGTERM would."""
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         return  # not Linux: nothing to ask for
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)

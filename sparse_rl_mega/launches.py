@@ -11,6 +11,10 @@ environment of that moment. Its ranks and engines start as they would under a ne
 forks its own rank server). GPU machines and multi-node configs launch new interpreters as before, and
 so does ``tools/chaos.py``: it finds a trial's processes by a variable of their initial environment
 (``/proc/PID/environ``), which a fork keeps from the process it was forked from.
+
+Either way the launch stops as on SIGTERM (its job's processes, engines and folder locks with it) when
+the tool ends, however it ends (``jobs.STOP_WITH_PARENT_ENV``): a tool stopped by a scheduler's SIGTERM
+or SIGKILL leaves no launch training on.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from sparse_rl_mega import process_server
+from sparse_rl_mega.jobs import STOP_WITH_PARENT_ENV
 
 LAUNCH_SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "launch.py"
 
@@ -47,11 +52,12 @@ def run_launch(args: list[str], log: Optional[Path] = None, cwd: Optional[Path] 
     or, with ``log``, to that file; a fork of the launches' server with ``forked``
     (:func:`start_launch_server`), else a new interpreter. Its exit code (negative: the signal that
     ended it)."""
+    environment = {**os.environ, STOP_WITH_PARENT_ENV: "1"}
     if not forked:
         out = open(log, "w") if log else None
         try:
             return subprocess.call([sys.executable, str(LAUNCH_SCRIPT), *args], cwd=cwd, stdout=out,
-                                   stderr=subprocess.STDOUT if out else None)
+                                   stderr=subprocess.STDOUT if out else None, env=environment)
         finally:
             if out:
                 out.close()
@@ -60,7 +66,7 @@ def run_launch(args: list[str], log: Optional[Path] = None, cwd: Optional[Path] 
     sys.stdout.flush()
     sys.stderr.flush()
     launch = multiprocessing.get_context("forkserver").Process(
-        target=_run_launch_script, args=(dict(os.environ), list(args), str(log) if log else None, str(cwd or os.getcwd())),
+        target=_run_launch_script, args=(environment, list(args), str(log) if log else None, str(cwd or os.getcwd())),
         name="launch")
     launch.start()
     launch.join()

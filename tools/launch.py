@@ -29,6 +29,7 @@ LAUNCHED_AT = time.time()  # start-up is counted from here (the workers get it t
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -37,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import RunConfig, load_config_or_exit  # noqa: E402
+from sparse_rl_mega.jobs import STOP_WITH_PARENT_ENV, die_with_parent  # noqa: E402
 from sparse_rl_mega.preflight import preflight  # noqa: E402
 from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
@@ -252,9 +254,9 @@ def main(argv=None) -> int:
         # which forks the ranks' server (sparse_rl_mega/forked_ranks.py)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if under_torchrun:
-        from sparse_rl_mega.jobs import die_with_parent
-
         die_with_parent()  # no learner rank outlives its launcher or torchrun agent
+    elif os.environ.pop(STOP_WITH_PARENT_ENV, None):  # started by a tool (launches.py): stop when it ends
+        die_with_parent(signal.SIGTERM)
     args = parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     if args.dry_run:

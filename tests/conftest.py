@@ -192,6 +192,20 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
     return run_dir, proc
 
 
+def alive(pids) -> list[int]:
+    """Those of ``pids`` whose process still runs (a zombie has ended: its parent has not reaped it yet)."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def greedy_correct(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[float]:
     """transformers' greedy decoding of each row's prompt, scored against its label (exact answer)."""
     import torch

@@ -20,6 +20,7 @@ import pytest
 from sparse_rl_mega.config import ConfigError, DataConfig, config_from_dict
 from sparse_rl_mega.data import DataError, load_prompt_dataset
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, last_boxed, render_prompt
+from tests.conftest import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -496,9 +497,9 @@ def test_the_long_chain_study_trains_under_compression_and_ends_with_its_tool(tm
         tool.send_signal(signal.SIGTERM)
         assert tool.wait(timeout=10) == -signal.SIGTERM
         deadline = time.time() + 30
-        while _alive(seen) and time.time() < deadline:
+        while alive(seen) and time.time() < deadline:
             time.sleep(0.2)
-        assert not _alive(seen), [(pid, psutil.Process(pid).cmdline()[:3]) for pid in _alive(seen)]
+        assert not alive(seen), [(pid, psutil.Process(pid).cmdline()[:3]) for pid in alive(seen)]
         assert "[launch] stopped by SIGTERM" in log.read_text(), log.read_text()[-3000:]
     finally:
         for pid in [tool.pid, *seen]:
@@ -506,14 +507,3 @@ def test_the_long_chain_study_trains_under_compression_and_ends_with_its_tool(tm
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _alive(pids) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out

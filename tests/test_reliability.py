@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, TRAIN_DATA, run_launch, tool_server, write_test_config
+from tests.conftest import ROOT, TRAIN_DATA, alive, run_launch, tool_server, write_test_config
 
 
 def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_path):
@@ -76,20 +76,10 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
             time.sleep(0.2)
         assert job.wait(timeout=5) == -9, log.read_text()[-3000:]
         assert len(seen) >= 5, seen  # two learner ranks, the engine's process server, scheduler, detokenizer
-
-        def alive():
-            out = []
-            for pid in seen:
-                try:
-                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                        out.append(pid)
-                except psutil.NoSuchProcess:
-                    pass
-            return out
         deadline = time.time() + 10
-        while alive() and time.time() < deadline:
+        while alive(seen) and time.time() < deadline:
             time.sleep(0.2)
-        assert not alive(), [(p, psutil.Process(p).cmdline()[:3]) for p in alive()]
+        assert not alive(seen), [(p, psutil.Process(p).cmdline()[:3]) for p in alive(seen)]
         assert "[iter 2/50]" not in log.read_text()  # nothing trained on without it
     finally:
         for pid in [job.pid, *seen]:

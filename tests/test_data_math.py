@@ -471,10 +471,8 @@ def test_the_long_chain_study_trains_under_compression_and_ends_with_its_tool(tm
     (learner ranks, the engine's) is gone within seconds (without ``jobs.STOP_WITH_PARENT_ENV`` it
     trained on, its parent gone)."""
     train, test, warmed = chain_rows
-    evaluated = tmp_path / "held_out.jsonl"
-    evaluated.write_text("".join(test.read_text().splitlines(keepends=True)[:2]))
     overrides = [f"model.path={warmed}", *[f"model.arch.{key}={value}" for key, value in CHAIN_LAYOUT.items()],
-                 f"data.train_path={train}", f"eval.path={evaluated}", "eval.interval=0", "eval.before_training=false",
+                 f"data.train_path={train}", f"eval.path={test}", "eval.interval=0", "eval.before_training=false",
                  "data.prompts_per_iteration=2", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
                  "checkpoint.save_interval=0"]
     log = tmp_path / "tool.log"

@@ -27,9 +27,10 @@ def _register() -> None:
     global _installed
     if _installed or os.environ.get("SPARSE_RL_MEGA_PLUGIN_OFF") == "1":
         return
-    from sglang_patches import loading_bar, sglang_internals, weight_push
+    from sglang_patches import loading_bar, weight_push
     from sglang_patches.kv_eviction import install
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
+    from sparse_rl_mega.rollout import sglang_internals
 
     sglang_internals.check_version()
     install(EngineKVSettings.from_env())

@@ -19,12 +19,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-from sglang_patches import sglang_internals as sglang
-from sglang_patches.settings import EngineKVSettings
-
-
-def compressed_bound(settings: EngineKVSettings) -> int:
-    return settings.budget + settings.interval + 1
+from sparse_rl_mega.rollout import sglang_internals as sglang
+from sparse_rl_mega.kv.engine_settings import EngineKVSettings, compressed_bound
 
 
 @contextmanager

@@ -27,11 +27,11 @@ batched pass whenever the ring is full or the request is about to be compressed 
 attention pass every decode step): between compressions a request's keys only grow, so each recorded
 query still sees exactly the keys it saw when it was decoded. A retracted request loses this state and
 restarts dense. The hook runs Python on CPU-side state, so a GPU engine with a scoring policy runs
-without CUDA graphs (``sglang_patches.settings.cuda_graphs_allowed``).
+without CUDA graphs (``sparse_rl_mega.kv.engine_settings.cuda_graphs_allowed``).
 
 Needs ``page_size=1``, the non-overlap scheduler and no speculative decoding (the engine factory in
 ``sparse_rl_mega.rollout.engine`` sets these). Everything of SGLang is reached through
-``sglang_patches.sglang_internals`` (requests, the batch, the pool, the hooks).
+``sparse_rl_mega.rollout.sglang_internals`` (requests, the batch, the pool, the hooks).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ from typing import Callable, Optional
 
 import torch
 
-from sglang_patches import sglang_internals as sglang
-from sglang_patches.settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
+from sparse_rl_mega.rollout import sglang_internals as sglang
+from sparse_rl_mega.kv.engine_settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
                                      ring_layers, scoring_bytes_per_request, scoring_chunk)
 from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
 

@@ -22,6 +22,6 @@ class _BarOverShards:
 
 
 def install() -> None:
-    from sglang_patches import sglang_internals
+    from sparse_rl_mega.rollout import sglang_internals
 
     sglang_internals.hook_loading_bar(_BarOverShards)

@@ -39,7 +39,7 @@ def install() -> None:
 
     if torch.cuda.is_available():
         return  # (GPU buckets come as CUDA IPC handles; flushes there empty CUDA's cache, which is cheap)
-    from sglang_patches import sglang_internals
+    from sparse_rl_mega.rollout import sglang_internals
 
     sglang_internals.hook_cpu_weight_updates(_keep)
     logger.info("sparse_rl_mega weight-push patches installed")

@@ -67,7 +67,7 @@ def hf_model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def evicting_engine(tiny_model_dir):
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV, allow_request_override=True), seed=0,

@@ -99,8 +99,8 @@ def test_config_section(tmp_path):
 
 def test_an_engine_takes_a_smaller_budget_per_request_without_overrides():
     """Engines of an automatic budget start at its max and take each rollout's budget per request; any
-    other per-request setting still needs allow_request_override (sglang_patches/settings.py)."""
-    from sglang_patches.settings import EngineKVSettings
+    other per-request setting still needs allow_request_override (sparse_rl_mega/kv/engine_settings.py)."""
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
 
     engine = EngineKVSettings(policy="rkv", budget=20, sink=2, window=4, interval=2)
     assert engine.refusal({"budget": 12}) is None and engine.refusal({"budget": 20}) is None

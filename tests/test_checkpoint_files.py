@@ -130,7 +130,7 @@ def test_config_digest_and_changes():
 
 def test_a_folder_with_an_earlier_run_is_named_and_cleared(tmp_path):
     from sparse_rl_mega.config import load_config
-    from sparse_rl_mega.jobs import clear_earlier_run, earlier_run, earlier_run_problem
+    from sparse_rl_mega.runtime.jobs import clear_earlier_run, earlier_run, earlier_run_problem
     from tests.conftest import ROOT
 
     cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml", [f"trainer.run_dir={tmp_path}"])

@@ -14,13 +14,13 @@ CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
 @pytest.mark.parametrize("seconds, text", [(0.4, "0 s"), (59.4, "59 s"), (59.6, "1m 00s"), (185, "3m 05s"),
                                            (3599, "59m 59s"), (7380, "2h 03m")])
 def test_durations_read_as_a_person_would_say_them(seconds, text):
-    from sparse_rl_mega.trainer import duration
+    from sparse_rl_mega.train.trainer import duration
 
     assert duration(seconds) == text
 
 
 def test_mlflow_run_is_named_after_what_ran_and_says_how_to_open_it(tmp_path, monkeypatch):
-    from sparse_rl_mega.tracking import Tracker, default_run_name
+    from sparse_rl_mega.train.tracking import Tracker, default_run_name
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert default_run_name(load_config(CPU_TINY)) == "cpu_tiny-rkv12-sparse_rl"
@@ -88,7 +88,7 @@ def test_a_dense_sampler_mismatch_above_rounding_is_warned_of():
     the dense tiny run at temperature 0.6 showed k3 0.0132 (docs/algorithm.md); the float32 rounding of
     an engine and the learner with the same weights explains at most exp(tau) - 1 - tau with
     tau = 1e-4 / 0.6, 1.4e-8. Compressed rollouts (no metric) and k3 within the bound say nothing."""
-    from sparse_rl_mega.step_metrics import dense_k3_bound, dense_mismatch_warning
+    from sparse_rl_mega.train.step_metrics import dense_k3_bound, dense_mismatch_warning
 
     rollout = load_config(CPU_TINY, ["rollout.temperature=0.6", "rollout.top_k=5"]).rollout
     tau = 1e-4 / 0.6

@@ -2,7 +2,7 @@
 rollout -> reward -> logp_old -> corrected loss -> optimizer -> weight sync -> MLflow."""
 import mlflow
 
-from sparse_rl_mega.tracking import default_tracking_uri
+from sparse_rl_mega.train.tracking import default_tracking_uri
 
 REQUIRED = ["reward/mean", "correction/veto_fraction", "correction/token_rejected_fraction",
             "correction/is_weight_mean", "correction/is_weight_max", "mismatch/k3", "kv/evicted_tokens",
@@ -34,13 +34,13 @@ def test_iterations_complete_and_metrics_land_in_mlflow(e2e_run):
 
 def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
     """One line says where start-up went, that the learner ranks were forked from the launcher (which
-    imported their modules once: sparse_rl_mega/forked_ranks.py) and the CPU engine's processes from the
+    imported their modules once: sparse_rl_mega/train/forked_ranks.py) and the CPU engine's processes from the
     rank that hosts it (rollout/forkserver.py); the dependencies' CPU-only
-    notices (sparse_rl_mega/quiet.py) are filtered in the launcher, the torchrun workers and SGLang's
+    notices (sparse_rl_mega/runtime/quiet.py) are filtered in the launcher, the torchrun workers and SGLang's
     processes alike."""
     import re
 
-    from sparse_rl_mega.quiet import KNOWN_HARMLESS
+    from sparse_rl_mega.runtime.quiet import KNOWN_HARMLESS
 
     _, proc = e2e_run
     ready = re.search(r"\[setup\] ready ([\d.]+) s \(launch and imports [\d.]+, learner [\d.]+, .*MLflow [\d.]+.*\) "

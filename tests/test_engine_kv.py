@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from sglang_patches import sglang_internals
-from sglang_patches.settings import side_buffer_bytes
+from sparse_rl_mega.rollout import sglang_internals
+from sparse_rl_mega.kv.engine_settings import side_buffer_bytes
 from sparse_rl_mega.kv import build_policy, compression_schedule, replay_compression
 from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 from tests.conftest import ENGINE_KV
@@ -103,7 +103,7 @@ def test_evaluate_runs_the_release_rkv_it_is_given(evicting_engine, hf_model, ti
 @pytest.fixture(scope="module")
 def tp2_engine(tiny_model_dir):
     """The same engine settings at TP 2: each scheduler rank holds one of the tiny model's two KV heads."""
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV, allow_request_override=True), seed=0,
@@ -131,7 +131,7 @@ def test_tp2_engine_takes_broadcast_weights(tp2_engine, tiny_model_dir, hf_model
     import copy
 
     from sparse_rl_mega.learner.weights import buckets, read_hf_state_dict
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.runtime.ports import free_port
 
     ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
     original = read_hf_state_dict(tiny_model_dir)
@@ -419,7 +419,7 @@ def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_sam
 
     import psutil
 
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import EngineFailure, RolloutEngine
 
     def server_of(engine) -> int:

@@ -11,7 +11,7 @@ from tests.conftest import ENGINE_KV
 
 @pytest.fixture(scope="module")
 def retracting_engine(tiny_model_dir):
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     forced = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "5"}

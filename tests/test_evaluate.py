@@ -9,10 +9,10 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from sparse_rl_mega.tracking import default_tracking_uri
+from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import ROOT, TRAIN_DATA, greedy_correct, run_tool
-from sparse_rl_mega.evaluation import pass_at_k
-from sparse_rl_mega.preflight import response_room
+from sparse_rl_mega.train.evaluation import pass_at_k
+from sparse_rl_mega.cli.preflight import response_room
 from tools import evaluate
 from tools.evaluate import UsageError, parse_kv
 
@@ -278,7 +278,7 @@ def test_the_engine_own_kv_setting_is_checked_before_it_starts():
 
 def test_kv_variants_name_the_rollout_setting():
     from sparse_rl_mega.config import KVCompressionConfig
-    from sparse_rl_mega.evaluation import parse_kv_variants
+    from sparse_rl_mega.config.evaluation import parse_kv_variants
 
     rkv = KVCompressionConfig(policy="rkv", budget=56)
     assert parse_kv_variants("dense,rollout,snapkv:64", rkv) == [
@@ -301,9 +301,9 @@ def test_a_dense_run_evaluates_compression_with_its_own_kv_fields():
     """A run with dense rollouts (an ablation's dense arm) evaluated under ``rkv:B``: the engine runs
     R-KV with every other field of the run's kv_compression section (kernel, lambda, selection, sink,
     ...), not the class defaults."""
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.config import KVCompressionConfig
-    from sparse_rl_mega.evaluation import parse_kv_variants
+    from sparse_rl_mega.config.evaluation import parse_kv_variants
 
     run_kv = KVCompressionConfig(policy="none", budget=32, sink=0, window=6, interval=4, selection="shared",
                                  params=dict(kernel=3, lam=0.3, pool="avg", similarity_threshold=0.7))

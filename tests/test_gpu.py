@@ -202,9 +202,9 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
     (queries recorded in a Python hook: the engine must have switched CUDA graphs off) against the
     pure-torch reference decoder."""
     pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
-    from sglang_patches.settings import cuda_graphs_allowed
+    from sparse_rl_mega.kv.engine_settings import cuda_graphs_allowed
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     cases = [(None, build_policy("streaming", sink=2, window=4)),
@@ -240,9 +240,9 @@ def test_engine_on_gpu_takes_flattened_buckets(tiny_model_dir, hf_model, gpu_eng
     import copy
 
     pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.learner.weights import buckets, read_hf_state_dict
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.runtime.ports import free_port
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]

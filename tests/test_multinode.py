@@ -26,7 +26,7 @@ import sys
 import mlflow
 import pytest
 
-from sparse_rl_mega.tracking import default_tracking_uri
+from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import ROOT, write_test_config
 from tools.launch import free_port
 

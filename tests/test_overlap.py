@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparse_rl_mega.step_metrics import dense_k3_bound
+from sparse_rl_mega.train.step_metrics import dense_k3_bound
 from tests.conftest import ROOT, run_tool, write_test_config
 from tools.bench_overlap import SEPARATE
 from tools.chaos import compare, final_state, metrics_by_iteration
@@ -136,7 +136,7 @@ def test_push_schedule_bounds_staleness_by_k(k):
     """The push rule (``Schedule.push``) over a long run: batch j starts at iteration j-1 with the
     weights the engines serve then and trains at iteration j; no batch may be more than K versions old,
     and the engines get weights only as often as that needs (every K-th iteration)."""
-    from sparse_rl_mega.schedule import Schedule
+    from sparse_rl_mega.train.schedule import Schedule
 
     schedule = Schedule(iterations=30, max_staleness=k, engines_release_memory=False)
     served, started_with, pushes = 0, {0: 0}, []

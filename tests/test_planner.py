@@ -1,4 +1,4 @@
-"""The memory planner (sparse_rl_mega/planner.py, ``tools/launch.py CONFIG --plan``) against real models.
+"""The memory planner (sparse_rl_mega/cli/planner.py, ``tools/launch.py CONFIG --plan``) against real models.
 
 * parameters: the planner's whole-model count equals transformers' for every family (tiny random
   configs and the 70B example's shape, built on the meta device); each rank's shard at TP2 x PP2
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from sparse_rl_mega.config import ArchConfig, config_from_dict, load_config
-from sparse_rl_mega.planner import (GIB, engine_kv_heads, engine_memory, engine_params, layer_params, plan_memory,
+from sparse_rl_mega.cli.planner import (GIB, engine_kv_heads, engine_memory, engine_params, layer_params, plan_memory,
                                     request_kv_tokens, stage_params, total_params)
 from tests.conftest import ROOT, TRAIN_DATA, run_launch, run_torchrun
 
@@ -120,7 +120,7 @@ RELEASE_KV = dict(policy="rkv", budget=12, sink=0, window=4, interval=2, selecti
 
 @pytest.fixture(scope="module")
 def pool_engine(tiny_model_dir):
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**RELEASE_KV), max_total_tokens=POOL_TOKENS, max_running_requests=8)
@@ -150,7 +150,7 @@ def test_release_settings_record_one_layer_and_match_the_reference(pool_engine, 
     """An engine started with the release's settings (no per-request overrides) records the first
     layer's queries only, which is all its shared choice reads: its ring is a quarter of a 4-layer one,
     as --plan counts it, and its samples equal the reference decoder's."""
-    from sglang_patches.settings import EngineKVSettings, side_buffer_bytes
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings, side_buffer_bytes
     from sparse_rl_mega.kv import build_policy
     from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 
@@ -237,7 +237,7 @@ def test_plan_says_an_impossible_layout_does_not_fit():
 
 def test_recomputation_lowers_the_activation_estimate():
     """Selective recomputation keeps no attention scores; full keeps only each layer's input."""
-    from sparse_rl_mega.planner import learner_memory
+    from sparse_rl_mega.cli.planner import learner_memory
 
     def stage0(mode):
         cfg = load_config(EXAMPLE_70B, ["model.transformer_impl=local", "parallel.sequence_parallel=false",
@@ -251,7 +251,7 @@ def test_interleaving_and_context_parallelism_in_the_activation_estimate():
     """Virtual stages: the first stage holds (pp - 1) * 2 + (vpp - 1) * pp + 1 chunk passes of
     layers / vpp layers, 1 + (pp - 1) / (pp * vpp) times the 1F1B activations (Narayanan et al. 2021).
     Context parallelism: with fused attention a rank stores activations of its share of the tokens."""
-    from sparse_rl_mega.planner import learner_memory
+    from sparse_rl_mega.cli.planner import learner_memory
 
     plain = COLOCATED_TP8 + ["parallel.virtual_pipeline_model_parallel_size=1"]
     base = learner_memory(load_config(EXAMPLE_70B, plain), 512, 0)

@@ -1,4 +1,4 @@
-"""Pre-flight (sparse_rl_mega/preflight.py) and the model shape read from its folder: every mistake a new
+"""Pre-flight (sparse_rl_mega/cli/preflight.py) and the model shape read from its folder: every mistake a new
 user makes with the inputs is one line naming the key or file, exit status 2, before anything starts."""
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from sparse_rl_mega.config import ArchConfig, ConfigError, config_from_dict, load_config
-from sparse_rl_mega.preflight import PromptTokenCounter, preflight, world_problems
+from sparse_rl_mega.cli.preflight import PromptTokenCounter, preflight, world_problems
 from tests.conftest import ROOT, TRAIN_DATA, run_tool
 
 CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
@@ -220,7 +220,7 @@ def test_torchrun_process_counts_against_the_config():
 @pytest.mark.launch  # (a real torchrun: not in the unit tier)
 def test_torchrun_with_the_wrong_process_count_prints_one_line(tmp_path):
     """torchrun's agent would add a 30-line report of the failed worker: the worker ends it instead."""
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.runtime.ports import free_port
 
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--nproc-per-node", "3", "--master-port", str(free_port()),
@@ -243,7 +243,7 @@ def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_star
     import http.server
     import threading
 
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.runtime.ports import free_port
 
     for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
         monkeypatch.delenv(proxy, raising=False)

@@ -96,7 +96,7 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     in the suite), free when picked, and not the same at every call."""
     import socket
 
-    from sparse_rl_mega.ports import LOWEST, ephemeral_range, free_port
+    from sparse_rl_mega.runtime.ports import LOWEST, ephemeral_range, free_port
 
     low, _ = ephemeral_range()
     ports = [free_port() for _ in range(20)]

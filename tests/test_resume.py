@@ -15,7 +15,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from sparse_rl_mega.tracking import default_tracking_uri
+from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import run_launch, write_test_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
@@ -102,7 +102,7 @@ def test_resumed_iteration_equals_uninterrupted(e2e_run, tiny_model_dir, tmp_pat
         overrides = ["--resume" if o.startswith("--set=checkpoint.resume=") else o for o in overrides]
     resumed = run_launch(config, *overrides, timeout=600, env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
-    assert "Warning" not in resumed.stderr, resumed.stderr[-3000:]  # resuming is quiet too (sparse_rl_mega/quiet.py)
+    assert "Warning" not in resumed.stderr, resumed.stderr[-3000:]  # resuming is quiet too (sparse_rl_mega/runtime/quiet.py)
     assert "resumed from" in resumed.stdout and "[iter 3/3]" in resumed.stdout
     assert "[iter 1/3]" not in resumed.stdout and "[iter 2/3]" not in resumed.stdout
     if layout == "pp2-vpp2":

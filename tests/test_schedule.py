@@ -1,5 +1,5 @@
-"""The iteration's timing (sparse_rl_mega/schedule.py: pushes, checkpoints, evaluations from one rule)
-and the merge of the optimizer steps' metrics by their declared reductions (sparse_rl_mega/step_metrics.py).
+"""The iteration's timing (sparse_rl_mega/train/schedule.py: pushes, checkpoints, evaluations from one rule)
+and the merge of the optimizer steps' metrics by their declared reductions (sparse_rl_mega/train/step_metrics.py).
 The push rule's bound on staleness over a long run: tests/test_overlap.py."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sparse_rl_mega.config import load_config
-from sparse_rl_mega.schedule import Schedule
-from sparse_rl_mega.step_metrics import STEP_REDUCTIONS, merge_steps, reduction
+from sparse_rl_mega.train.schedule import Schedule
+from sparse_rl_mega.train.step_metrics import STEP_REDUCTIONS, merge_steps, reduction
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -66,7 +66,7 @@ def test_every_metric_a_step_reports_has_a_declared_reduction():
     """The correction's and the advantages' keys, whatever the preset (the train step's: every launch)."""
     from sparse_rl_mega.algo.correction import compute_correction
     from sparse_rl_mega.config import CorrectionConfig
-    from sparse_rl_mega.step_metrics import advantage_metrics
+    from sparse_rl_mega.train.step_metrics import advantage_metrics
 
     torch.manual_seed(0)
     logp_old, logp_sparse = -torch.rand(4, 6), -torch.rand(4, 6)

@@ -1,4 +1,4 @@
-"""The one module that touches SGLang's internals (sglang_patches/sglang_internals.py): it is the only
+"""The one module that touches SGLang's internals (sparse_rl_mega/rollout/sglang_internals.py): it is the only
 one, and it refuses any SGLang but the one it was written for, in the trainer and in SGLang's processes."""
 import json
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_patches import sglang_internals
-from sglang_patches.settings import ENV_VAR
-from sglang_patches.sglang_internals import SGLANG_VERSION, SGLangVersionError
+from sparse_rl_mega.rollout import sglang_internals
+from sparse_rl_mega.kv.engine_settings import ENV_VAR
+from sparse_rl_mega.rollout.sglang_internals import SGLANG_VERSION, SGLangVersionError
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER = "0.6.1"  # a faked other SGLang
@@ -32,7 +32,7 @@ def test_an_engine_and_the_plugin_refuse_another_sglang_before_starting(monkeypa
     in each of its processes, refuses before it installs a hook."""
     import sglang_patches
     from sglang_patches import kv_eviction
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     monkeypatch.setattr(sglang_internals, "installed_version", lambda: OTHER)

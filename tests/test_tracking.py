@@ -6,7 +6,7 @@ import sys
 
 import mlflow
 
-from sparse_rl_mega.tracking import _template_path, seed_sqlite_store
+from sparse_rl_mega.train.tracking import _template_path, seed_sqlite_store
 
 
 def _schema(path):
@@ -59,7 +59,7 @@ def test_metrics_wait_for_a_server_that_went_away_and_none_is_lost(tmp_path, mon
     import time
 
     from sparse_rl_mega.config import load_config
-    from sparse_rl_mega.tracking import UNSENT_FILE, Tracker
+    from sparse_rl_mega.train.tracking import UNSENT_FILE, Tracker
     from tests.conftest import ROOT, run_captured
     from tools.chaos import TrackingServer
 
@@ -114,7 +114,7 @@ def test_the_next_launch_sends_what_an_earlier_job_left_unsent_first(tmp_path, m
     import json
 
     from sparse_rl_mega.config import load_config
-    from sparse_rl_mega.tracking import UNSENT_FILE, Tracker
+    from sparse_rl_mega.train.tracking import UNSENT_FILE, Tracker
     from tests.conftest import ROOT
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""The learner's watchdog (sparse_rl_mega/watchdog.py) on a real c10d store (``HashStore``) and a
+"""The learner's watchdog (sparse_rl_mega/runtime/watchdog.py) on a real c10d store (``HashStore``) and a
 scripted clock: two ranks publish their records, both monitor. It must stay quiet through a long
 phase that makes progress (an evaluation on rank 0 while rank 1 waits for it), through a long phase
 seen for the first time (a first checkpoint), and stop the job once, naming the rank whose process
@@ -7,7 +7,7 @@ launch, found and restarted: tests/test_resume.py.)"""
 import pytest
 import torch.distributed as dist
 
-from sparse_rl_mega.watchdog import EXIT_STATUS, Bounds, Watchdog
+from sparse_rl_mega.runtime.watchdog import EXIT_STATUS, Bounds, Watchdog
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparse_rl_mega.config import load_config
-from sparse_rl_mega.planner import push_buffer_bytes
-from sparse_rl_mega.ports import free_port
+from sparse_rl_mega.cli.planner import push_buffer_bytes
+from sparse_rl_mega.runtime.ports import free_port
 from sparse_rl_mega.rollout.placement import engine_placements
 from sparse_rl_mega.rollout.weight_push import consumers_of, share_authkey, transport, weight_groups
 from tests.conftest import ROOT

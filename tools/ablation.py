@@ -26,7 +26,7 @@ the largest, the safe end; the other auto_budget fields may be --set). The tool 
 peak KV per sample as a fraction of dense, a curve per variant, the automatic runs as points.
 
 Each variant is one ``tools/launch.py`` run into ``OUT/<variant>`` (on a CPU node a fork of this process,
-which imported the launcher's modules once: sparse_rl_mega/launches.py); all log to one MLflow store
+which imported the launcher's modules once: sparse_rl_mega/cli/launches.py); all log to one MLflow store
 (``OUT/mlflow.db``, experiment ``ablation``, run name = variant). The tool then writes
 ``OUT/ablation.png`` (reward, mismatch k3, token rejection by side, quantiles of log rho, the largest
 importance weight, evicted tokens and held-out accuracy with its standard error; with --seeds a line per
@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import CORRECTION_PRESETS, ConfigError, load_config  # noqa: E402
-from sparse_rl_mega.launches import run_launch, start_launch_server  # noqa: E402
+from sparse_rl_mega.cli.launches import run_launch, start_launch_server  # noqa: E402
 
 EXPERIMENT = "ablation"
 # (axis title, [(metric, line label)]) per panel; the last panel is held-out accuracy when the config evaluates
@@ -282,7 +282,7 @@ def per_problem(evaluation: dict, label: str) -> list[float]:
 
 def difference_with_stderr(x: list[float], y: list[float]) -> tuple[float, float]:
     """``mean(x - y)`` of paired per-problem accuracies and its standard error (over problems)."""
-    from sparse_rl_mega.evaluation import mean_stderr
+    from sparse_rl_mega.train.evaluation import mean_stderr
 
     if len(x) != len(y) or len(x) < 2:
         raise ValueError(f"need two paired lists of >= 2 problems, got {len(x)} and {len(y)}")
@@ -338,7 +338,7 @@ def over_seeds(accuracy: list[dict]) -> list[dict]:
     ratio to the same seed's dense variant and of the drop from dense decoding, each with its standard
     error across seeds (the spread of training runs; each seed's own s.e. over problems is in the
     per-run table). Nothing when no run has a seed."""
-    from sparse_rl_mega.evaluation import mean_stderr
+    from sparse_rl_mega.train.evaluation import mean_stderr
 
     out = []
     for (base, setting), rows in _seed_groups(accuracy, "setting").items():
@@ -355,7 +355,7 @@ def over_seeds(accuracy: list[dict]) -> list[dict]:
 def training_over_seeds(rows: list[dict]) -> list[dict]:
     """Per variant (seeds merged): each training metric of :func:`summarize`'s rows as ``"mean +- s.e."``
     across seeds (a markdown cell). Nothing when no run has a seed."""
-    from sparse_rl_mega.evaluation import mean_stderr
+    from sparse_rl_mega.train.evaluation import mean_stderr
 
     out = []
     for (base,), runs in _seed_groups(rows).items():
@@ -431,7 +431,7 @@ def plot_groups(data: dict[str, dict]) -> dict[str, list[str]]:
 def mean_curve(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
     """One metric's histories (step -> value) of several runs -> (steps, mean over the runs that logged
     each step, standard error across them: 0 where one did)."""
-    from sparse_rl_mega.evaluation import mean_stderr
+    from sparse_rl_mega.train.evaluation import mean_stderr
 
     steps = sorted({step for curve in curves for step in curve})
     values = [[curve[step] for curve in curves if step in curve] for step in steps]
@@ -448,7 +448,7 @@ def plot(data: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    from sparse_rl_mega.evaluation import mean_stderr
+    from sparse_rl_mega.train.evaluation import mean_stderr
 
     groups = plot_groups(data)
     seeded = any(split_seed(name)[1] is not None for name in data)
@@ -571,9 +571,9 @@ def plot_budget_map(rows: list[dict], accuracy: list[dict], path: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/runtime/quiet.py
     args = parse_args(argv)
     try:
         out, runs, iterations = plan(args)

@@ -3,7 +3,7 @@
 next batch while the learner trains) beside K = 0 (generate, train, push in turn), same config.
 
 Launches ``tools/launch.py CONFIG`` once per K (alternating when ``--repeats`` > 1; on a CPU node each a
-fork of this process, which imported the launcher's modules once: sparse_rl_mega/launches.py), each in
+fork of this process, which imported the launcher's modules once: sparse_rl_mega/cli/launches.py), each in
 its own run folder, then reads the runs' MLflow metrics and ``timeline.jsonl``. Per K, means over the iterations
 after the first (its rollout includes the engine's warm-up): iteration time, the learner's wait for
 samples (``time/learner_wait_s``), the engine's idle time before each batch (``time/engine_idle_s``),
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sparse_rl_mega.launches import run_launch, start_launch_server  # noqa: E402
+from sparse_rl_mega.cli.launches import run_launch, start_launch_server  # noqa: E402
 
 SEPARATE = ["parallel.nproc_per_node=1", "parallel.pipeline_model_parallel_size=1", "rollout.placement=separate",
             "trainer.sync_method=broadcast", "checkpoint.save_interval=0"]

@@ -105,14 +105,14 @@ def mask_cost(vocab: int, args) -> dict:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/runtime/quiet.py
     args = parse_args(argv)
     truncations = {text: parse_truncation(text) for text in args.truncations.split(",") if text}
     import torch
 
-    from sglang_patches.settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout.engine import RolloutEngine, preload_cpu_engines
 
     preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)

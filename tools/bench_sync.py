@@ -66,7 +66,7 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.learner.weights import stream_hf_tensors
     from sparse_rl_mega.rollout.engine import preload_cpu_engines
     from sparse_rl_mega.rollout.placement import hosts_an_engine
-    from sparse_rl_mega.trainer import PhaseTimer, Trainer
+    from sparse_rl_mega.train.trainer import PhaseTimer, Trainer
 
     cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
     on_cpu = apply_if_cpu()
@@ -160,16 +160,16 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/runtime/quiet.py
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         bench(args)
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
     from sparse_rl_mega.config import load_config_or_exit
-    from sparse_rl_mega.forked_ranks import run_script_ranks, start_job_rank_server
+    from sparse_rl_mega.train.forked_ranks import run_script_ranks, start_job_rank_server
 
     cfg = load_config_or_exit(args.config, args.overrides)
     # torchrun's agent here, the ranks forked from here on a CPU (as tools/launch.py runs a job)

@@ -9,7 +9,7 @@ SIGKILL of engine 0's scheduler, SIGSTOP of it (a hang), SIGKILL of one learner 
 SIGSTOP of one learner rank (from iteration 2 on: the learner's watchdog must find it and stop the job,
 ``trainer.watchdog_floor_s=10`` in such a trial),
 during the rollout, the training, the weight push or the checkpoint save of a random iteration
-(``sparse_rl_mega/faults.py`` fires it inside the job at that point); a full disk while a checkpoint
+(``sparse_rl_mega/runtime/faults.py`` fires it inside the job at that point); a full disk while a checkpoint
 is written (the writer's ENOSPC: the job stops with one line, the launcher restarts it); a corrupt
 newest checkpoint (a shard cut in half, then rank 0 killed: the restart must skip it and resume from
 the one before); the MLflow tracking server killed (the trial logs to a real ``mlflow server`` that
@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
-from sparse_rl_mega.faults import FAULT_ENV, TRACKING_SERVER_PID_ENV, Fault, parse_faults  # noqa: E402
+from sparse_rl_mega.runtime.faults import FAULT_ENV, TRACKING_SERVER_PID_ENV, Fault, parse_faults  # noqa: E402
 
 TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1", "kill-launcher",
            "full-disk", "corrupt-checkpoint", "kill-tracking"]
@@ -130,7 +130,7 @@ class TrackingServer:
     :meth:`stop`."""
 
     def __init__(self, run_dir: Path, log: Path, start_timeout_s: float = 180.0):
-        from sparse_rl_mega.ports import free_port
+        from sparse_rl_mega.runtime.ports import free_port
 
         self.run_dir, self.log, self.start_timeout_s = run_dir, log, start_timeout_s
         self.port = free_port()
@@ -246,7 +246,7 @@ def metrics_by_iteration(run_dir: Path, skip: tuple[str, ...] = NOT_COMPARED) ->
     name starts with one of ``skip`` (default: the ones chaos does not compare) are left out."""
     import mlflow
 
-    from sparse_rl_mega.tracking import default_tracking_uri
+    from sparse_rl_mega.train.tracking import default_tracking_uri
 
     client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir))
     out: dict[int, dict[str, float]] = {}
@@ -285,7 +285,7 @@ def compare(reference: tuple, trial: tuple) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
     quiet_known_warnings()
     args = parse_args(argv)

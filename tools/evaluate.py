@@ -187,8 +187,8 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
     (each compressed setting with every other field of ``base``, a KVCompressionConfig, except the
     ``derived`` fields, which follow its budget: :func:`budget_defaults`), checked as the engine will
     check it. Raises UsageError naming the bad setting."""
-    from sglang_patches.settings import EngineKVSettings
-    from sparse_rl_mega.evaluation import AUTO, parse_kv_variants
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
+    from sparse_rl_mega.config.evaluation import AUTO, parse_kv_variants
     from sparse_rl_mega.rollout.engine import check_request_kv
 
     base = base or default_kv()
@@ -331,8 +331,8 @@ def context_length(model_dir: Path) -> int:
 def fit_max_new_tokens(requested: int, context: int, pool: int, longest: tuple[int, str], log=print) -> int:
     """``requested`` capped (with a one-line notice) to what SGLang generates after the longest prompt,
     ``longest`` = ``(tokens, "file:line")``, on a model of ``context`` positions with a KV pool of
-    ``pool`` slots (:func:`sparse_rl_mega.preflight.response_room`); raises UsageError when SGLang would refuse that prompt."""
-    from sparse_rl_mega.preflight import response_room
+    ``pool`` slots (:func:`sparse_rl_mega.cli.preflight.response_room`); raises UsageError when SGLang would refuse that prompt."""
+    from sparse_rl_mega.cli.preflight import response_room
 
     tokens, where = longest
     positions = min(context, pool)
@@ -351,7 +351,7 @@ def fit_max_new_tokens(requested: int, context: int, pool: int, longest: tuple[i
 def counted_longest(model_dir: Path, benchmarks: dict) -> tuple[int, str]:
     """``(tokens, "file:line")`` of the longest prompt, counted as the engine will receive it with the
     model's tokenizer.json (no transformers, no torch: preflight.PromptTokenCounter)."""
-    from sparse_rl_mega.preflight import PromptTokenCounter
+    from sparse_rl_mega.cli.preflight import PromptTokenCounter
 
     counter = PromptTokenCounter(model_dir)
     return max(counter.longest([r.prompt for r in records], [r.source for r in records])
@@ -377,7 +377,7 @@ def evaluate(model_dir: Path, tokenizer, prompts: dict, benchmarks: dict, varian
     under every KV setting on one engine (started with ``base``'s settings, a KVCompressionConfig,
     taking any other per request); returns nested results."""
     from sparse_rl_mega.config import RewardConfig
-    from sparse_rl_mega.evaluation import evaluate_on_engine
+    from sparse_rl_mega.train.evaluation import evaluate_on_engine
     from sparse_rl_mega.reward import build_scorer
     from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
 
@@ -438,8 +438,8 @@ def log_to_mlflow(results: dict, args, out: Path) -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
 
-    from sparse_rl_mega.evaluation import scalar_items
-    from sparse_rl_mega.tracking import default_tracking_uri
+    from sparse_rl_mega.train.evaluation import scalar_items
+    from sparse_rl_mega.train.tracking import default_tracking_uri
 
     mlflow.set_tracking_uri(args.tracking_uri or default_tracking_uri(out))
     mlflow.set_experiment(args.experiment)
@@ -485,9 +485,9 @@ def run(args, inputs: Inputs) -> Path:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/runtime/quiet.py
     args = parse_args(argv)
     try:
         out = run(args, check_inputs(args))

@@ -18,7 +18,7 @@ The folder is written next to --out and renamed into place at the end, so an int
 leaves no half-written --out.
 
 Run it with python: it runs torchrun's agent itself, its ranks on the CPU forks of a process that imported
-their modules once (sparse_rl_mega/forked_ranks.py); or start it under torchrun with --nproc-per-node N.
+their modules once (sparse_rl_mega/train/forked_ranks.py); or start it under torchrun with --nproc-per-node N.
 """
 from __future__ import annotations
 
@@ -330,9 +330,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/runtime/quiet.py
     args = parse_args(argv)
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if args.device == "cpu":  # before CUDA is initialised
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     except ExportError as error:
         print(f"export_hf.py: {error}", file=sys.stderr)
         return 2
-    from sparse_rl_mega.forked_ranks import run_script_ranks, start_rank_server
+    from sparse_rl_mega.train.forked_ranks import run_script_ranks, start_rank_server
 
     # (no --nproc for the workers: torchrun would take it for an abbreviation of its --nproc-per-node;
     # under torchrun the world size is the process count)

@@ -7,12 +7,12 @@
   python tools/launch.py CONFIG --plan [--gpu-memory-gb 80] [--prompt-tokens 512]
                                                          validate, print the layout and per-GPU memory
 
-The config and the inputs it names are checked before any process starts (sparse_rl_mega/preflight.py:
+The config and the inputs it names are checked before any process starts (sparse_rl_mega/cli/preflight.py:
 data rows, the model folder, prompt + max_new_tokens against what SGLang generates, torchrun's process
 count); a problem is reported naming the key (file, rows) and what was expected, with exit status 2.
 --dry-run checks the inputs present on this machine and lists the others. --plan starts
 nothing either (no process, no GPU): it prints the learner's and the engine's memory per GPU
-(sparse_rl_mega/planner.py) and exits 0 when everything fits, 3 when something does not.
+(sparse_rl_mega/cli/planner.py) and exits 0 when everything fits, 3 when something does not.
 
 A failed job prints one line per failed rank (tracebacks: <run_dir>/logs/rank<R>.log) and one from
 the launcher (exit status 1); with --max-restarts N the launcher starts it again from its newest
@@ -38,9 +38,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sparse_rl_mega.config import RunConfig, load_config_or_exit  # noqa: E402
-from sparse_rl_mega.jobs import STOP_WITH_PARENT_ENV, die_with_parent  # noqa: E402
-from sparse_rl_mega.preflight import preflight  # noqa: E402
-from sparse_rl_mega.ports import free_port  # noqa: E402,F401  (tests import it from here)
+from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV, die_with_parent  # noqa: E402
+from sparse_rl_mega.cli.preflight import preflight  # noqa: E402
+from sparse_rl_mega.runtime.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # LAUNCHED_AT, from this process to its torchrun workers
 
@@ -98,8 +98,8 @@ def sampling_line(r) -> str:
 def describe_layout(cfg: RunConfig) -> str:
     p, r, kv, m = cfg.parallel, cfg.rollout, cfg.rollout.kv_compression, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    from sparse_rl_mega.planner import engine_settings
-    from sglang_patches.settings import cuda_graphs_allowed
+    from sparse_rl_mega.cli.planner import engine_settings
+    from sparse_rl_mega.kv.engine_settings import cuda_graphs_allowed
     from sparse_rl_mega.kv.policies import policy_class
 
     position_only = kv.policy == "none" or policy_class(kv.policy).position_only
@@ -174,10 +174,10 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from sparse_rl_mega import watchdog
-    from sparse_rl_mega.faults import LAUNCHER_PID_ENV
-    from sparse_rl_mega.forked_ranks import run_on_this_node, start_job_rank_server
-    from sparse_rl_mega.jobs import (LOCK_HELD_ENV, FolderLocked, clear_earlier_run, earlier_run, earlier_run_problem,
+    from sparse_rl_mega.runtime import watchdog
+    from sparse_rl_mega.runtime.faults import LAUNCHER_PID_ENV
+    from sparse_rl_mega.train.forked_ranks import run_on_this_node, start_job_rank_server
+    from sparse_rl_mega.runtime.jobs import (LOCK_HELD_ENV, FolderLocked, clear_earlier_run, earlier_run, earlier_run_problem,
                                      lock_job_folders)
 
     try:
@@ -245,13 +245,13 @@ def report_problems(config: str, problems: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from sparse_rl_mega.quiet import quiet_known_warnings
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 
-    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/quiet.py
+    quiet_known_warnings()  # dependencies' CPU-only notices, named in sparse_rl_mega/runtime/quiet.py
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not under_torchrun:  # what torchrun sets for its workers (its notice about it is silenced); set
         # before torch is imported here: its OpenMP pool would otherwise start threads in this process,
-        # which forks the ranks' server (sparse_rl_mega/forked_ranks.py)
+        # which forks the ranks' server (sparse_rl_mega/train/forked_ranks.py)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if under_torchrun:
         die_with_parent()  # no learner rank outlives its launcher or torchrun agent
@@ -269,13 +269,13 @@ def main(argv=None) -> int:
             print(f"  not on this machine, not checked: {line}")
         return 0
     if args.plan:
-        from sparse_rl_mega.planner import format_plan, plan_memory
+        from sparse_rl_mega.cli.planner import format_plan, plan_memory
 
         plan = plan_memory(cfg, args.gpu_memory_gb, args.prompt_tokens)
         print(describe_layout(cfg))
         print(format_plan(cfg, plan))
         return 0 if plan.fits else 3
-    from sparse_rl_mega.jobs import earlier_run, earlier_run_problem, held_by_launcher
+    from sparse_rl_mega.runtime.jobs import earlier_run, earlier_run_problem, held_by_launcher
 
     problems = [] if held_by_launcher() else preflight(cfg).problems  # (a launcher checked them already)
     if under_torchrun and not held_by_launcher():
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     if problems:
         status = report_problems(args.config, problems)
         if under_torchrun:
-            from sparse_rl_mega.jobs import end_torchrun_agent
+            from sparse_rl_mega.runtime.jobs import end_torchrun_agent
 
             end_torchrun_agent(int(os.environ["LOCAL_RANK"]))
         return status
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
                   "(see docs/cluster.md)", file=sys.stderr)
             return 2
         return run_job(cfg, args)
-    from sparse_rl_mega.trainer import run_training
+    from sparse_rl_mega.train.trainer import run_training
 
     run_training(cfg, float(os.environ.get(LAUNCHED_AT_ENV, LAUNCHED_AT)))
     return 0

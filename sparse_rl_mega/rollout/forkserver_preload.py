@@ -8,7 +8,7 @@
   restores SIGQUIT's default before it runs (``EngineProcess.run``)."""
 import signal
 
-from sparse_rl_mega.jobs import die_with_parent
+from sparse_rl_mega.runtime.jobs import die_with_parent
 
 signal.signal(signal.SIGQUIT, signal.SIG_IGN)
 die_with_parent()

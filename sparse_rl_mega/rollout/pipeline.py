@@ -8,7 +8,7 @@ iterations (the learner's own).
 i+1's prompts with the weights they serve and decode them in their own processes while the learner
 trains on iteration i. Weights go to idle engines only: a push first waits for the batch in flight,
 so every sample comes from one weight version (no partial rollouts). When the trainer pushes (often
-enough that no batch is more than K versions old when trained) is sparse_rl_mega/schedule.py's rule.
+enough that no batch is more than K versions old when trained) is sparse_rl_mega/train/schedule.py's rule.
 Colocated engines on GPUs hand their memory to the learner while it trains and hold no weights after
 that, so they generate the next batch before the learner trains and nothing overlaps there.
 

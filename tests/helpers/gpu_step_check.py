@@ -66,7 +66,7 @@ def main() -> None:
     from sparse_rl_mega.batch import RolloutBatch
     from sparse_rl_mega.learner.model import build_learner
     from sparse_rl_mega.learner.step import train_step
-    from sparse_rl_mega.planner import learner_memory, total_params
+    from sparse_rl_mega.cli.planner import learner_memory, total_params
 
     cuda = torch.cuda.is_available()
     init_parallel(1, 1)

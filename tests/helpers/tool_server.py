@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 READ_AFTER_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "SPARSE_RL_MEGA_FAULT", "SPARSE_RL_MEGA_KV"})
 # what the scripts import beyond a launcher's ranks (forked_ranks.RANK_MODULES; SGLang's modules come
 # first, under the engines' environment): torchrun's agent, export's writer, transformers' models
-PRELOAD = ("sparse_rl_mega.forked_ranks", "safetensors.torch", "torch.distributed.run", "torch.distributed.launcher.api",
+PRELOAD = ("sparse_rl_mega.train.forked_ranks", "safetensors.torch", "torch.distributed.run", "torch.distributed.launcher.api",
            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
            "transformers.models.qwen3.modeling_qwen3")
 
@@ -52,8 +52,8 @@ PRELOAD = ("sparse_rl_mega.forked_ranks", "safetensors.torch", "torch.distribute
 
 def _preload() -> None:
     sys.path.insert(0, str(ROOT))
-    from sparse_rl_mega import process_server
-    from sparse_rl_mega.forked_ranks import RANK_MODULES
+    from sparse_rl_mega.runtime import process_server
+    from sparse_rl_mega.train.forked_ranks import RANK_MODULES
     from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
 
     import_cpu_engine_modules()
@@ -72,7 +72,7 @@ def _preload() -> None:
 
 def _serve(listener: socket.socket) -> dict:
     """Fork a process per request; return the request in that process (never in the server)."""
-    from sparse_rl_mega.jobs import die_with_parent
+    from sparse_rl_mega.runtime.jobs import die_with_parent
 
     die_with_parent()
     wake_r, wake_w = os.pipe()
@@ -119,7 +119,7 @@ def _answer(connection: socket.socket, answer: dict, close: bool = True) -> None
 
 def _become(request: dict) -> str:
     """In the forked process: what ``python SCRIPT ARGS`` would have; returns the script's path."""
-    from sparse_rl_mega.process_server import take_environment
+    from sparse_rl_mega.runtime.process_server import take_environment
 
     os.setsid()
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),

@@ -1,6 +1,6 @@
 """``torchrun --nproc-per-node N SCRIPT ARGS`` on this node (loopback rendezvous, a free port), its
 ranks forked from this process after it imported what the learner helper scripts use once, as
-``tools/launch.py`` runs a job's ranks (``sparse_rl_mega/forked_ranks.py``); exec'd where they cannot
+``tools/launch.py`` runs a job's ranks (``sparse_rl_mega/train/forked_ranks.py``); exec'd where they cannot
 be (a GPU machine). For the suite's torchrun sessions (``tests/conftest.py``: ``run_torchrun``).
 
     python tests/helpers/torchrun_forked.py N SCRIPT [ARGS...]
@@ -23,7 +23,7 @@ HELPER_MODULES = ("sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
 
 
 def main() -> int:
-    from sparse_rl_mega.forked_ranks import run_script_ranks, start_rank_server
+    from sparse_rl_mega.train.forked_ranks import run_script_ranks, start_rank_server
 
     nproc, script, *script_args = sys.argv[1:]
     return run_script_ranks(int(nproc), script, script_args, start_rank_server(HELPER_MODULES), "torchrun_forked")

@@ -6,7 +6,7 @@ One iteration, as its phases (:meth:`Trainer.run`):
   -> optimise (per step: correction (veto, token rejection, IS weights), the corrected PPO loss's step)
   -> push (engine weights from the learner shards) -> checkpoint -> evaluate (held-out accuracy on the
   engine, dense and sparse) -> report (metrics to MLflow and the console).
-Push, checkpoint and evaluate follow one schedule (sparse_rl_mega/schedule.py). With
+Push, checkpoint and evaluate follow one schedule (sparse_rl_mega/train/schedule.py). With
 ``rollout.max_staleness`` >= 1 the engines generate the next iteration's samples while the learner
 trains on this one (sparse_rl_mega/rollout/pipeline.py); weights go to the engines once they are idle.
 """
@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega import watchdog
+from sparse_rl_mega.runtime import watchdog
 from sparse_rl_mega.config import RunConfig
-from sparse_rl_mega.jobs import JobWideError
+from sparse_rl_mega.runtime.jobs import JobWideError
 
 
 def log(message: str) -> None:
@@ -114,7 +114,7 @@ class Trainer:
         self.tokenizer = None  # engine hosts
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.clock = PhaseClock(launched_at)
-        from sparse_rl_mega.faults import FaultInjector
+        from sparse_rl_mega.runtime.faults import FaultInjector
 
         self.faults = FaultInjector(self.rank, cfg.trainer.run_dir, self._engine0_scheduler, cfg.checkpoint.dir)
 
@@ -183,7 +183,7 @@ class Trainer:
             self.begin_engine_start(background=False)
 
         if self.rank == 0:
-            from sparse_rl_mega.tracking import Tracker
+            from sparse_rl_mega.train.tracking import Tracker
 
             resume_run = (self.resumed_from or {}).get("mlflow_run_id")
             self.tracker = Tracker(cfg, resume_run_id=resume_run, log=log)
@@ -194,7 +194,7 @@ class Trainer:
         self.finish_engine_start()
         self.clock.mark("waiting for the engine")
         from sparse_rl_mega.rollout.pipeline import RolloutPipeline
-        from sparse_rl_mega.schedule import Schedule
+        from sparse_rl_mega.train.schedule import Schedule
 
         self.schedule = Schedule.from_config(cfg, engines_release_memory=self.fleet.release_memory)
         self.rollouts = RolloutPipeline(cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, log)
@@ -209,7 +209,7 @@ class Trainer:
             self.clock.mark("weights to the engine")
         engine = "" if self.engine_seconds is None else f"; engine up in {self.engine_seconds:.1f} s" + (
             f" ({self.engine.started})" if self.engine is not None else "")
-        from sparse_rl_mega.forked_ranks import forked_rank
+        from sparse_rl_mega.train.forked_ranks import forked_rank
 
         ranks = " (ranks forked from the launcher)" if forked_rank() else ""
         log(f"[setup] ready {self.clock.line()} after launch{ranks}{engine}")
@@ -234,7 +234,7 @@ class Trainer:
         if self.placement is not None:
             from transformers import AutoTokenizer
 
-            from sparse_rl_mega.evaluation import Evaluator
+            from sparse_rl_mega.train.evaluation import Evaluator
             from sparse_rl_mega.reward import build_scorer
             from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings
 
@@ -398,7 +398,7 @@ class Trainer:
         from sparse_rl_mega.algo.advantages import grpo_advantages
         from sparse_rl_mega.algo.correction import compute_correction
         from sparse_rl_mega.learner.step import train_step
-        from sparse_rl_mega.step_metrics import (advantage_metrics, dense_sampler_k3, merge_steps,
+        from sparse_rl_mega.train.step_metrics import (advantage_metrics, dense_sampler_k3, merge_steps,
                                                  metrics_by_staleness)
 
         cfg, algo, correction = self.cfg, self.cfg.algorithm, self.cfg.algorithm.correction
@@ -485,7 +485,7 @@ class Trainer:
 
     def warn_dense_mismatch(self, iteration: int, metrics: dict[str, float]) -> None:
         """Rank 0, once per run: the warning of :func:`step_metrics.dense_mismatch_warning`, if any."""
-        from sparse_rl_mega.step_metrics import dense_mismatch_warning
+        from sparse_rl_mega.train.step_metrics import dense_mismatch_warning
 
         if not self.warned_dense_mismatch:
             warning = dense_mismatch_warning(iteration, metrics, self.cfg.model.dtype, self.cfg.rollout)
@@ -594,7 +594,7 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
 
     from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: Megatron's loads too)
 
-    from sparse_rl_mega.jobs import held_by_launcher, lock_job_folders, lost_a_peer, print_error, report_failure
+    from sparse_rl_mega.runtime.jobs import held_by_launcher, lock_job_folders, lost_a_peer, print_error, report_failure
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
     from sparse_rl_mega.rollout.placement import hosts_an_engine
 

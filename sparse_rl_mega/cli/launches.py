@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from sparse_rl_mega import process_server
-from sparse_rl_mega.jobs import STOP_WITH_PARENT_ENV
+from sparse_rl_mega.runtime import process_server
+from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV
 
-LAUNCH_SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "launch.py"
+LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "launch.py"
 
 
 def start_launch_server(config: str, overrides: list[str]) -> bool:
@@ -38,7 +38,7 @@ def start_launch_server(config: str, overrides: list[str]) -> bool:
     starts a thread here (MLflow's SQL store does)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
     from sparse_rl_mega.config import ConfigError, load_config
-    from sparse_rl_mega.forked_ranks import start_job_rank_server
+    from sparse_rl_mega.train.forked_ranks import start_job_rank_server
 
     try:
         cfg = load_config(config, overrides)

@@ -248,7 +248,7 @@ def fired_since(run_dir: str, since: float) -> bool:
 
 
 def _print_error(line: str) -> None:
-    from sparse_rl_mega.jobs import print_error
+    from sparse_rl_mega.runtime.jobs import print_error
 
     print_error(line)
 

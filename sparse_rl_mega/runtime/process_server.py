@@ -97,7 +97,7 @@ def _serve(listener_fd: int, alive_r: int, setup: Optional[Callable[[], None]]) 
     """The forked server: only the descriptors multiprocessing's server would have (not this process's
     sockets, lock files or pipes), SIGKILL asked for when the process that forked it ends, ``setup``,
     then multiprocessing's server loop, which returns when every client has gone."""
-    from sparse_rl_mega.jobs import die_with_parent
+    from sparse_rl_mega.runtime.jobs import die_with_parent
 
     keep = {0, 1, 2, listener_fd, alive_r}
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:

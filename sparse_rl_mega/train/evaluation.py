@@ -10,6 +10,8 @@ import math
 import time
 from typing import Callable, Optional, Sequence
 
+from sparse_rl_mega.config.evaluation import AUTO, needs_request_override, parse_kv_variants
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
@@ -17,65 +19,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
-
-def request_kv(kv, policy: str, budget: int) -> dict:
-    """The per-request KV settings of ``policy`` at ``budget`` with every other field of ``kv`` (a
-    KVCompressionConfig: sink, window, interval, selection, shared scores and the policy's parameters,
-    e.g. R-KV's kernel and lambda), whatever ``kv``'s own policy is (a dense run's section still says
-    how its compressed evaluation scores)."""
-    return {"policy": policy, "budget": budget, "sink": kv.sink, "window": kv.window, "interval": kv.interval,
-            "selection": kv.selection, "shared_scores": kv.shared_scores, "params": kv.policy_params(policy)}
-
-
-AUTO = {"budget": "auto"}  # parse_kv_variants: the rollout's automatic budget, resolved when evaluated
-
-
-def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[dict]]]:
-    """``"dense,rollout,snapkv:64"`` -> ``[(label, per-request KV override or None), ...]``.
-
-    ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget with every
-    other field of ``rollout_kv`` (:func:`request_kv`; without ``rollout_kv``, the engine's other
-    settings); ``rollout``: the engine's own settings (``rollout_kv``, a KVCompressionConfig, names the
-    label; the override is None; with an automatic budget the label is ``POLICY:auto`` and the trainer
-    gives each evaluation the budget in force: :data:`AUTO`). A setting named twice ('rollout' and the same explicit setting) is
-    evaluated once. Raises ValueError naming the bad item."""
-    from sparse_rl_mega.kv.policies import policy_names
-
-    out: list[tuple[str, Optional[dict]]] = []
-    items = [s.strip() for s in spec.split(",") if s.strip()]
-    if len(set(items)) != len(items):
-        raise ValueError(f"KV settings repeat: {items}")
-    for item in items:
-        if item in ("none", "dense"):
-            out.append(("dense", {"policy": "none"}))
-        elif item == "rollout":
-            if rollout_kv is None:
-                raise ValueError("'rollout' names the training rollout's KV setting; there is none here")
-            if rollout_kv.policy != "none" and rollout_kv.auto_budget is not None:
-                out.append((f"{rollout_kv.policy}:auto", AUTO))
-                continue
-            label = "dense" if rollout_kv.policy == "none" else f"{rollout_kv.policy}:{rollout_kv.budget}"
-            out.append((label, None))
-        else:
-            name, _, budget = item.partition(":")
-            if name not in policy_names() or not budget.isdigit() or int(budget) <= 0:
-                raise ValueError(f"{item!r}: expected dense, rollout or POLICY:BUDGET with POLICY in "
-                                 f"{sorted(policy_names())} and BUDGET a positive integer")
-            out.append((item, {"policy": name, "budget": int(budget)} if rollout_kv is None
-                        else request_kv(rollout_kv, name, int(budget))))
-    if not out:
-        raise ValueError("no KV setting given")
-    # 'rollout' may name a setting also listed explicitly (dense rollouts and 'dense'): evaluate it once
-    unique: dict[str, Optional[dict]] = {}
-    for label, override in out:
-        unique.setdefault(label, override)
-    return list(unique.items())
-
-
-def needs_request_override(variants: list[tuple[str, Optional[dict]]]) -> bool:
-    """Whether evaluating ``variants`` (:func:`parse_kv_variants`) needs an engine that accepts
-    per-request KV settings (any setting other than the rollout's own)."""
-    return any(override is not None and override is not AUTO for _, override in variants)
 
 
 def mean_stderr(values: Sequence[float]) -> float:

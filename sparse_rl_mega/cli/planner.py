@@ -31,9 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sglang_patches.admission import compressed_bound
-from sglang_patches.settings import (DEFAULT_RUNNING_REQUESTS, EngineKVSettings, cuda_graphs_allowed, records_queries,
-                                     side_buffer_bytes)
+from sparse_rl_mega.kv.engine_settings import (DEFAULT_RUNNING_REQUESTS, EngineKVSettings, compressed_bound,
+                                               cuda_graphs_allowed, records_queries, side_buffer_bytes)
 from sparse_rl_mega.config import ArchConfig, RunConfig
 
 GIB = 1 << 30
@@ -283,7 +282,7 @@ def engine_settings(cfg: RunConfig) -> EngineKVSettings:
     kv = cfg.rollout.kv_compression
     override = False
     if cfg.eval.path is not None:
-        from sparse_rl_mega.evaluation import needs_request_override, parse_kv_variants
+        from sparse_rl_mega.config.evaluation import needs_request_override, parse_kv_variants
 
         override = needs_request_override(parse_kv_variants(cfg.eval.kv, kv))
     return EngineKVSettings.from_config(kv, allow_request_override=override)

@@ -26,14 +26,14 @@ import os
 import sys
 from typing import Optional
 
-from sparse_rl_mega import process_server
+from sparse_rl_mega.runtime import process_server
 
 # what a rank imports beyond tools/launch.py: the trainer and, as they are first used, the learner
 # (Megatron-Core), its checkpoints, the engine fleet and MLflow (not its SQL store: it loads pyarrow,
 # whose allocator starts a thread)
-RANK_MODULES = ("sparse_rl_mega.trainer", "sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
+RANK_MODULES = ("sparse_rl_mega.train.trainer", "sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
                 "sparse_rl_mega.learner.checkpoint", "sparse_rl_mega.learner.weights", "sparse_rl_mega.rollout.fleet",
-                "sparse_rl_mega.tracking")
+                "sparse_rl_mega.train.tracking")
 # os.environ as the server was forked (the ranks inherit it): what differs in a rank is torchrun's
 _server_environment: Optional[dict[str, str]] = None
 
@@ -94,7 +94,7 @@ def run_on_this_node(nproc: int, script: str, script_args: list[str], forked: bo
     free port) through :func:`run_agent`; raises torchrun's ``ChildFailedError`` when a rank fails."""
     from torch.distributed.run import get_args_parser
 
-    from sparse_rl_mega.ports import free_port
+    from sparse_rl_mega.runtime.ports import free_port
 
     command = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                script, *script_args]

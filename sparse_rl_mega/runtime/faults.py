@@ -9,7 +9,7 @@ sync, checkpoint; ``push``: the weight push itself, after the sync's logprob che
 
 * ``kill-engine`` / ``stop-engine``: SIGKILL / SIGSTOP engine 0's scheduler (its host does it);
 * ``kill-rank<R>`` / ``stop-rank<R>``: rank R sends itself SIGKILL / SIGSTOP (a stopped rank: the
-  learner's watchdog must find it, ``sparse_rl_mega/watchdog.py``);
+  learner's watchdog must find it, ``sparse_rl_mega/runtime/watchdog.py``);
 * ``kill-launcher``: rank 0 sends SIGKILL to the launcher (``tools/launch.py``) that started the job;
 * ``full-disk``: rank 0's next checkpoint write fails inside Megatron's writer with the operating
   system's ``OSError(ENOSPC)`` (as on a full disk; use it at the ``checkpoint`` phase; no delay);

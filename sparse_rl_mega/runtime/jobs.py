@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 LOCK_HELD_ENV = "SPARSE_RL_MEGA_LOCKED"  # set by a launcher that holds the job's folder locks
-# set by a tool that starts launches (sparse_rl_mega/launches.py): the launcher stops as on SIGTERM when
+# set by a tool that starts launches (sparse_rl_mega/cli/launches.py): the launcher stops as on SIGTERM when
 # that tool (or the server it forked the launch from) ends, however it ends
 STOP_WITH_PARENT_ENV = "SPARSE_RL_MEGA_STOP_WITH_PARENT"
 _PR_SET_PDEATHSIG = 1

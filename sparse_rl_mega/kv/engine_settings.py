@@ -177,3 +177,8 @@ def side_buffer_bytes(settings: EngineKVSettings, *, running_requests: int, laye
         longest = prompt_tokens + settings.budget + settings.interval + 1
         mass = running_requests * used * kv_heads * (longest + MASS_HEADROOM) * 4
     return {"query_ring": ring, "h2o_mass": mass, "scoring": scoring}
+
+
+def compressed_bound(settings: EngineKVSettings) -> int:
+    """The most slots a compressed request ever owns past its prompt (admission and the planner)."""
+    return settings.budget + settings.interval + 1

@@ -43,7 +43,7 @@ def reduction(key: str) -> str:
     base = _STALENESS.sub("", key)
     if base not in STEP_REDUCTIONS:
         raise KeyError(f"step metric {key!r} has no declared reduction: add it to "
-                       f"sparse_rl_mega/step_metrics.py STEP_REDUCTIONS")
+                       f"sparse_rl_mega/train/step_metrics.py STEP_REDUCTIONS")
     return STEP_REDUCTIONS[base]
 
 

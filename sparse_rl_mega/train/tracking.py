@@ -49,7 +49,7 @@ def default_tracking_uri(run_dir: str | Path) -> str:
 
 
 def _template_path(mlflow_version: str) -> Path:
-    from sparse_rl_mega.cache import cache_dir
+    from sparse_rl_mega.runtime.cache import cache_dir
 
     return cache_dir() / f"mlflow-{mlflow_version}-empty.db"
 
@@ -302,7 +302,7 @@ class Tracker:
         """One line: how to look at this run in MLflow's UI."""
         if self.tracking_uri != default_tracking_uri(self.run_dir):
             return f"MLflow run {self.run_name!r} ({self.run_id}) at {self.tracking_uri}"
-        root = Path(__file__).resolve().parent.parent  # (where the Makefile is)
+        root = Path(__file__).resolve().parents[2]  # (where the Makefile is)
         if Path.cwd().resolve() == root and self.run_dir.is_relative_to(root):
             command = f"make mlflow-ui RUN={self.run_dir.relative_to(root)}"
         else:

@@ -1,0 +1,102 @@
+"""The one reader of an HF model folder's ``config.json``: ``model.arch`` filled from it, checked against it,
+and the shape the engine's sizing needs."""
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Optional
+
+from sparse_rl_mega.config.errors import ConfigError, require
+from sparse_rl_mega.config.model import ArchConfig
+
+
+def fill_arch_from_folder(raw: dict, source: str) -> list[str]:
+    """Fill the ``model.arch`` fields that ``raw`` leaves out from the HF ``config.json`` in ``model.path``
+    (``family`` from its ``model_type``), in place; returns the names filled. Fields written in the
+    config stay as written (and are checked against the folder by :func:`validate`). Without a folder
+    to read, the section must be written out, unless ``model.create_tiny`` builds the model from it."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
+        return []  # (reported by _build / validate, naming the key)
+    given = model.get("arch")
+    if given is not None and not isinstance(given, dict):
+        return []
+    hf_config = Path(model["path"]) / "config.json"
+    if not hf_config.is_file():
+        if given is None and model.get("create_tiny") is None:
+            raise ConfigError(f"{source}: model.arch: not given, and {hf_config} does not exist here to read it "
+                              "from: write the model.arch section, or run where the model folder is")
+        return []
+    read = arch_from_hf_config(model["path"], source)
+    filled = [name for name in read if name not in (given or {})]
+    model["arch"] = {**{name: read[name] for name in filled}, **(given or {})}
+    return filled
+
+
+def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
+    """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
+
+    Reads both config layouts of transformers (``rope_theta`` at the top, 4.x, or inside
+    ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model type,
+    RoPE scaling, MLP biases, sliding-window attention) raise :class:`ConfigError` naming the file and key."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise ConfigError(f"{source + ': ' if source else ''}model.path: {path} cannot be read as JSON: {exc}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source + ': ' if source else ''}model.path: {path} holds no JSON object")
+    names = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
+             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+             "head_dim": "head_dim", "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+             "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
+    arch = {ours: hf[theirs] for ours, theirs in names.items() if hf.get(theirs) is not None}
+    arch.setdefault("num_query_groups", arch.get("num_attention_heads"))
+    model_type = hf.get("model_type")
+    if model_type is not None:
+        if model_type not in _HF_FAMILIES:
+            raise ConfigError(f"{path}: model_type {model_type!r} is not supported; expected one of: "
+                              f"{', '.join(_HF_FAMILIES)}")
+        arch["family"] = model_type
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_theta") is not None:
+        arch["rope_theta"] = rope["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{path}: rope type {rope_type!r} is not supported (only plain RoPE: 'default')")
+    for key in ("mlp_bias", "use_sliding_window"):
+        if hf.get(key):
+            raise ConfigError(f"{path}: {key} = {hf[key]!r} is not supported")
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+        arch["qkv_bias"] = True  # rejected by validation, naming model.arch.qkv_bias
+    return arch
+
+
+_HF_FAMILIES = typing.get_args(typing.get_type_hints(ArchConfig)["family"])
+
+
+def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
+    """When the model folder exists, its config.json must agree with ``model.arch``."""
+    hf_config = Path(cfg.model.path) / "config.json"
+    if not hf_config.is_file():
+        require(cfg.model.create_tiny is not None or not Path(cfg.model.path).exists(), source, "model.path",
+                 f"{cfg.model.path} exists but has no config.json")
+        return
+    hf_arch = arch_from_hf_config(cfg.model.path)
+    a = cfg.model.arch
+    for name in ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "vocab_size", "tie_word_embeddings", "max_position_embeddings", "qkv_bias"):
+        ours = getattr(a, name)
+        require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
+                 f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
+    # HF's head width: head_dim where written, else hidden_size / num_attention_heads (as transformers derives it)
+    hf_head_dim = hf_arch.get("head_dim") or (hf_arch["hidden_size"] // hf_arch["num_attention_heads"]
+                                              if "hidden_size" in hf_arch and hf_arch.get("num_attention_heads") else None)
+    require(hf_head_dim is None or a.kv_channels == hf_head_dim, source, "model.arch.head_dim",
+             f"heads of width {a.kv_channels} disagree with {hf_config} (heads of width {hf_head_dim}"
+             + (")" if "head_dim" in hf_arch else " = hidden_size / num_attention_heads)"))
+    for name in ("rope_theta", "norm_eps"):  # floats (HF may store 1e-5 as 9.99999974e-06)
+        ours = getattr(a, name)
+        require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,
+                 f"model.arch.{name}", f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")

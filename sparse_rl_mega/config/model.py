@@ -1,0 +1,91 @@
+"""``model`` and ``parallel``: the transformer's shape, the tiny model built locally, the learner's layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class ArchConfig:
+    """Transformer shape. Checked against the HF ``config.json`` when the model folder exists.
+
+    The family fixes what the layout cannot say: ``qwen2`` always has q/k/v biases, ``qwen3`` has a
+    per-head RMSNorm on queries and keys (``q_norm``/``k_norm``; Megatron's ``qk_layernorm``) and no
+    biases, ``llama`` neither."""
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    # width of one attention head; None: hidden_size / num_attention_heads (Qwen3 sets it explicitly)
+    head_dim: Optional[int] = None
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q/k/v projection biases (implied by family qwen2)
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head (Megatron's ``kv_channels``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.qkv_bias or self.family == "qwen2"
+
+    @property
+    def qk_layernorm(self) -> bool:
+        """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+        return self.family == "qwen3"
+
+
+@dataclass
+class TinyModelConfig:
+    """Build a small model locally when ``model.path`` does not exist yet (no hub access needed):
+    a byte-level BPE tokenizer trained on the training prompts and a model warm-started with a few
+    supervised steps on the training set so that RL has a reward signal from the first iteration.
+    The supervised target of a row is its ``worked`` answer when the data file has one (tools/
+    prepare_data.py writes them for ``long_sums``), else a short sentence ending in the label."""
+    tokenizer_vocab_size: int = 320
+    warmup_sft_steps: int = 150
+    warmup_lr: float = 3e-3
+    warmup_batch_size: int = 16
+    # a linear warm-up of the learning rate over the first 50 steps and a linear decay to 0.1 of it
+    warmup_decay: bool = False
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    create_tiny: Optional[TinyModelConfig] = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Learner layer implementation: "local" (pure torch, CPU and GPU) or "transformer_engine" (GPU).
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    # delayed / tensorwise (current) scaling on Hopper; mxfp8 on Blackwell; blockwise (Hopper, TE >= 2.3)
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    fp8_param: bool = False  # keep the weights themselves in FP8 (Transformer Engine)
+
+
+@dataclass
+class ParallelConfig:
+    nnodes: int = 1
+    nproc_per_node: int = 2
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    # activation recomputation: "selective" recomputes core attention in the backward pass, "full"
+    # every transformer layer (uniform, one layer per checkpoint); trades compute for activation memory
+    recompute: Literal["none", "selective", "full"] = "none"
+    # interleaved pipeline: each pipeline rank holds this many non-adjacent chunks of layers (a smaller
+    # bubble for more point-to-point traffic); the micro-batches of a step must fill the pipeline
+    virtual_pipeline_model_parallel_size: int = 1
+    # context parallelism: each sequence is split over this many ranks (load-balanced causal halves),
+    # attention exchanges keys/values between them; for long responses
+    context_parallel_size: int = 1

@@ -19,8 +19,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-from sparse_rl_mega.rollout import sglang_internals as sglang
 from sparse_rl_mega.kv.engine_settings import EngineKVSettings, compressed_bound
+from sparse_rl_mega.rollout import sglang_internals as sglang
 
 
 @contextmanager

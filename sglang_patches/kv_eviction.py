@@ -43,10 +43,11 @@ from typing import Callable, Optional
 
 import torch
 
-from sparse_rl_mega.rollout import sglang_internals as sglang
+from sglang_patches import admission
 from sparse_rl_mega.kv.engine_settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
-                                     ring_layers, scoring_bytes_per_request, scoring_chunk)
+                                               ring_layers, scoring_bytes_per_request, scoring_chunk)
 from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
+from sparse_rl_mega.rollout import sglang_internals as sglang
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
@@ -490,8 +491,6 @@ def install(settings: EngineKVSettings) -> None:
         sglang.hook_retraction(on_retract)
 
         if settings.compressed_admission:
-            from sglang_patches import admission
-
             admission.install(compressor.settings_for)
 
     sglang.hook_internal_state("sparse_rl_kv", lambda pool: {"settings": settings.to_dict(),

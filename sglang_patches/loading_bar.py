@@ -4,6 +4,8 @@ A model in one file (every CPU example, a 1.5B model) loads in one step, so its 
 1 in every engine start and every restart; ``weight_utils`` draws one per loading path. Several shards
 (a 7B or 70B model) keep their bar."""
 
+from sparse_rl_mega.rollout import sglang_internals
+
 
 class _BarOverShards:
     """``tqdm`` as ``sglang.srt.model_loader.weight_utils`` calls it, disabled for one shard or less."""
@@ -22,6 +24,4 @@ class _BarOverShards:
 
 
 def install() -> None:
-    from sparse_rl_mega.rollout import sglang_internals
-
     sglang_internals.hook_loading_bar(_BarOverShards)

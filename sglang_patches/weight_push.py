@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from sparse_rl_mega.rollout import sglang_internals
+
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
 KEEP = 8  # buffers kept mapped: two per bucket owner (pipeline stages), with room for a plan change
@@ -39,7 +41,5 @@ def install() -> None:
 
     if torch.cuda.is_available():
         return  # (GPU buckets come as CUDA IPC handles; flushes there empty CUDA's cache, which is cheap)
-    from sparse_rl_mega.rollout import sglang_internals
-
     sglang_internals.hook_cpu_weight_updates(_keep)
     logger.info("sparse_rl_mega weight-push patches installed")

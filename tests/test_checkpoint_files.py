@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from sparse_rl_mega.learner import checkpoint as ck
+from sparse_rl_mega.learner import checkpoint as saving
+from sparse_rl_mega.runtime import checkpoint_files as ck
 
 
 def _checkpoint(root: Path, iteration: int, files: dict[str, bytes], record: bool = True) -> Path:
@@ -81,15 +82,15 @@ def test_the_storage_cause_is_the_operating_systems(tmp_path):
 def test_free_space_is_checked_against_the_previous_checkpoint(tmp_path):
     previous = _checkpoint(tmp_path, 1, FILES)
     target = tmp_path / "iter_0000002"
-    assert ck._space_problem(tmp_path, target) is None
+    assert saving._space_problem(tmp_path, target) is None
     free = shutil.disk_usage(tmp_path).free
     marker = json.loads((previous / ck.MARKER).read_text())
     marker["files"]["__0_0.distcp"][0] = free  # the previous checkpoint "took" all the free space
     (previous / ck.MARKER).write_text(json.dumps(marker))
-    problem = ck._space_problem(tmp_path, target)
+    problem = saving._space_problem(tmp_path, target)
     assert problem.startswith(f"{tmp_path}: ") and "free, the previous checkpoint (iter_0000001) took " in problem
     assert problem.endswith("; nothing was written")
-    assert ck._space_problem(tmp_path / "empty", target) is None  # the first save: nothing to compare with
+    assert saving._space_problem(tmp_path / "empty", target) is None  # the first save: nothing to compare with
 
 
 def test_pruning_keeps_the_saved_checkpoint_and_the_newest_older_ones(tmp_path):
@@ -97,11 +98,11 @@ def test_pruning_keeps_the_saved_checkpoint_and_the_newest_older_ones(tmp_path):
         _checkpoint(tmp_path, i, FILES)
     (tmp_path / "iter_0000004").mkdir()  # partial: not counted, replaced when 4 is saved
     (tmp_path / "iter_0000002.bak").mkdir()  # not a checkpoint name: never touched
-    ck._prune(tmp_path, tmp_path / "iter_0000003", keep_last=2)
+    saving._prune(tmp_path, tmp_path / "iter_0000003", keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000002.bak", "iter_0000003",
                                                           "iter_0000004"]
     os.truncate(tmp_path / "iter_0000003" / "common.pt", 1)  # the saved one is not whole: nothing is removed
-    ck._prune(tmp_path, tmp_path / "iter_0000003", keep_last=1)
+    saving._prune(tmp_path, tmp_path / "iter_0000003", keep_last=1)
     assert (tmp_path / "iter_0000002").is_dir()
 
 

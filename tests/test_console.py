@@ -49,7 +49,7 @@ def test_mlflow_run_is_named_after_what_ran_and_says_how_to_open_it(tmp_path, mo
 def test_the_stop_line_names_the_checkpoint_resume_would_use(tmp_path):
     from tools.launch import resume_hint
 
-    from sparse_rl_mega.learner.checkpoint import MARKER
+    from sparse_rl_mega.runtime.checkpoint_files import MARKER
 
     cfg = load_config(CPU_TINY, [f"trainer.run_dir={tmp_path}"])
     folder = tmp_path / "checkpoints"

@@ -14,6 +14,7 @@ from sparse_rl_mega.kv.engine_settings import side_buffer_bytes
 from sparse_rl_mega.kv import build_policy, compression_schedule, replay_compression
 from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 from tests.conftest import ENGINE_KV
+from tests.helpers.engine_push import DirectPush
 
 # The engine (SGLang's torch_native attention, float32) against the reference decoder (transformers, float32):
 # two float32 forward passes of the tiny model. Their worst-case rounding bound (2 x gamma_n x max|logit|,
@@ -143,16 +144,17 @@ def test_tp2_engine_takes_broadcast_weights(tp2_engine, tiny_model_dir, hf_model
         logits = moved(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     expected = [float(logits[t, ids[t + 1]]) for t in range(len(ids) - 1)]
 
-    tp2_engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo", world_size=3)
+    push = DirectPush(tp2_engine)
+    push.connect("127.0.0.1", free_port(), backend="gloo", world_size=3)
     before = tp2_engine.dense_logprobs(ids)
-    version = tp2_engine.update_weights_broadcast(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
+    version = push.broadcast(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
     after = tp2_engine.dense_logprobs(ids)
-    tp2_engine.update_weights_broadcast(buckets(iter(original.items()), 64 * 1024, torch.float32))
+    push.broadcast(buckets(iter(original.items()), 64 * 1024, torch.float32))
     restored = tp2_engine.dense_logprobs(ids)
     # the same through shared memory: both scheduler ranks map each flattened bucket this process packed
-    tp2_engine.update_weights(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
+    push.shared(buckets(iter(perturbed.items()), 64 * 1024, torch.float32))
     shared = tp2_engine.dense_logprobs(ids)
-    tp2_engine.update_weights(buckets(iter(original.items()), 64 * 1024, torch.float32))
+    push.shared(buckets(iter(original.items()), 64 * 1024, torch.float32))
     assert version == 1 and tp2_engine.served_weight_version() == "4"
     assert len(after) == len(before) == len(expected)
     assert max(abs(a - b) for a, b in zip(before, expected)) > 1e-2  # the perturbation shows

@@ -75,11 +75,12 @@ class EngineStarted(Exception):
 def no_engine(monkeypatch):
     """main() may not start SGLang: its preload and the engine raise EngineStarted."""
     import sparse_rl_mega.rollout.engine as engine_module
+    import sparse_rl_mega.rollout.engine_processes as engine_processes
 
     def refuse(*_, **__):
         raise EngineStarted
 
-    monkeypatch.setattr(engine_module, "preload_cpu_engines", refuse)
+    monkeypatch.setattr(engine_processes, "preload_cpu_engines", refuse)
     monkeypatch.setattr(engine_module, "RolloutEngine", refuse)
 
 
@@ -184,7 +185,7 @@ def test_a_bad_command_line_fails_in_one_line_before_any_engine(no_engine, fake_
 def test_a_checkpoint_is_recognised_by_the_learners_marker(tmp_path):
     """MODEL may be a training checkpoint (exported first): an iter_* folder holding the marker the
     learner writes last, or a folder of them."""
-    from sparse_rl_mega.learner.checkpoint import MARKER
+    from sparse_rl_mega.runtime.checkpoint_files import MARKER
 
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "iter_0000002" / MARKER).write_text("{}")

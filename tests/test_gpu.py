@@ -22,6 +22,7 @@ import torch
 from sparse_rl_mega.kv import build_policy
 from sparse_rl_mega.kv.policies import window_attention_mass
 from tests.conftest import ROOT, run_torchrun
+from tests.helpers.engine_push import DirectPush
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (tools/gpu_check.sh)")
 CUDA = torch.device("cuda")
@@ -262,10 +263,11 @@ def test_engine_on_gpu_takes_flattened_buckets(tiny_model_dir, hf_model, gpu_eng
     try:
         on_gpu = lambda weights: [[(n, t.cuda()) for n, t in b] for b in  # noqa: E731
                                   buckets(iter(weights.items()), 64 * 1024, torch.float32)]
-        engine.update_weights(on_gpu(perturbed), version=1)  # CUDA IPC
+        push = DirectPush(engine)
+        push.shared(on_gpu(perturbed), version=1)  # CUDA IPC
         via_ipc = engine.dense_logprobs(ids)
-        engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo", world_size=2)
-        engine.update_weights_broadcast(on_gpu(original), version=2)
+        push.connect("127.0.0.1", free_port(), backend="gloo", world_size=2)
+        push.broadcast(on_gpu(original), version=2)
         via_broadcast = engine.dense_logprobs(ids)
         served = engine.served_weight_version()
     finally:

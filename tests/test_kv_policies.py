@@ -354,7 +354,7 @@ def test_newline_tokens_come_from_the_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from sparse_rl_mega.config import KVCompressionConfig
-    from sparse_rl_mega.rollout.engine import engine_kv_settings
+    from sparse_rl_mega.rollout.engine_args import engine_kv_settings
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     settings = engine_kv_settings(KVCompressionConfig(policy="rkv", trigger="newline"), tokenizer)

@@ -211,7 +211,7 @@ def test_70b_side_buffers_are_planned_and_fit_beside_the_pool():
 def test_side_buffers_widen_what_sglang_leaves_free():
     """The engine lowers mem_fraction_static so that SGLang 0.5.23's pool (kv_cache_configurator:
     rest = available - pre_model_load_memory x (1 - mem_fraction_static)) shrinks by the side buffers."""
-    from sparse_rl_mega.rollout.engine import reserved_mem_fraction
+    from sparse_rl_mega.rollout.engine_args import reserved_mem_fraction
 
     free, side, available = 60 * GIB, 3 * GIB, 40 * GIB
     rest = lambda fraction: available - free * (1 - fraction)  # noqa: E731

@@ -146,7 +146,7 @@ def test_full_disk_during_a_checkpoint_then_the_restart_continues_exactly(e2e_ru
     the watchdog names it within its bound (at least trainer.watchdog_floor_s=8, 5 x the longest
     iteration) and stops the job; the second restart resumes from iteration 2's checkpoint and iteration 3 equals
     the uninterrupted run's bit for bit."""
-    from sparse_rl_mega.learner.checkpoint import complete_checkpoints, verify
+    from sparse_rl_mega.runtime.checkpoint_files import complete_checkpoints, verify
 
     full_dir, _ = e2e_run
     run_dir = tmp_path / "run"

@@ -21,12 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# before torch is imported (by the package below): the launches' server is forked from this process, and
+# torch's OpenMP pool must not have started threads in it
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from sparse_rl_mega.cli.launches import run_launch, start_launch_server  # noqa: E402
 

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     import torch
 
     from sparse_rl_mega.kv.engine_settings import EngineKVSettings
-    from sparse_rl_mega.rollout.engine import RolloutEngine, preload_cpu_engines
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+    from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
 
     preload_cpu_engines()  # SGLang imported once, its processes forked from here (rollout/forkserver.py)
     model = Path(args.model)

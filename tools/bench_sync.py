@@ -64,7 +64,7 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.config import load_config
     from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
     from sparse_rl_mega.learner.weights import stream_hf_tensors
-    from sparse_rl_mega.rollout.engine import preload_cpu_engines
+    from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
     from sparse_rl_mega.rollout.placement import hosts_an_engine
     from sparse_rl_mega.train.trainer import PhaseTimer, Trainer
 

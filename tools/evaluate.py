@@ -189,7 +189,7 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
     check it. Raises UsageError naming the bad setting."""
     from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.config.evaluation import AUTO, parse_kv_variants
-    from sparse_rl_mega.rollout.engine import check_request_kv
+    from sparse_rl_mega.rollout.engine_args import check_request_kv
 
     base = base or default_kv()
     try:
@@ -227,7 +227,7 @@ def kv_fix(refusal: Exception, setting: dict) -> str:
 def model_kind(model: str) -> str:
     """``"hf"`` for an HF model folder (config.json), ``"checkpoint"`` for a training checkpoint (an
     ``iter_*`` folder holding its marker, or a folder of them); raises UsageError otherwise."""
-    from sparse_rl_mega.learner.checkpoint import MARKER  # (torch only: Megatron is imported when used)
+    from sparse_rl_mega.runtime.checkpoint_files import MARKER
 
     path = Path(model)
     if (path / "config.json").is_file():
@@ -379,7 +379,8 @@ def evaluate(model_dir: Path, tokenizer, prompts: dict, benchmarks: dict, varian
     from sparse_rl_mega.config import RewardConfig
     from sparse_rl_mega.train.evaluation import evaluate_on_engine
     from sparse_rl_mega.reward import build_scorer
-    from sparse_rl_mega.rollout.engine import RolloutEngine, engine_kv_settings
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+    from sparse_rl_mega.rollout.engine_args import engine_kv_settings
 
     settings = engine_kv_settings(base, tokenizer)
     settings.allow_request_override = True
@@ -456,7 +457,7 @@ def log_to_mlflow(results: dict, args, out: Path) -> None:
 
 def run(args, inputs: Inputs) -> Path:
     """Evaluate the checked ``inputs``; returns the folder of results.json and accuracy.png."""
-    from sparse_rl_mega.rollout.engine import preload_cpu_engines
+    from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
 
     out = Path(args.out or ROOT / "runs" / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)

@@ -115,7 +115,7 @@ def export_config(saved: dict, model_dir: Path, nproc: int, tp: int, pp: int, so
 
 def prepare(args: argparse.Namespace, nproc: int) -> Plan:
     """Check everything that can be checked before loading; raise :class:`ExportError` with a clear message."""
-    from sparse_rl_mega.learner.checkpoint import MARKER, find_checkpoint, read_marker
+    from sparse_rl_mega.runtime.checkpoint_files import MARKER, find_checkpoint, read_marker
 
     spec = Path(args.checkpoint)
     if not spec.exists():

@@ -24,8 +24,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from sparse_rl_mega.config import ConfigError, load_config
 from sparse_rl_mega.runtime import process_server
 from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV
+from sparse_rl_mega.train.forked_ranks import start_job_rank_server
 
 LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "launch.py"
 
@@ -35,11 +37,8 @@ def start_launch_server(config: str, overrides: list[str]) -> bool:
     and fork the launches' server from this process, as a launcher forks its ranks' server
     (``forked_ranks.start_job_rank_server``: one node, one thread running, no server yet, no GPU).
     False (nothing forked) where the launches must be new interpreters; call it before anything that
-    starts a thread here (MLflow's SQL store does)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch: its OpenMP pool would start a thread)
-    from sparse_rl_mega.config import ConfigError, load_config
-    from sparse_rl_mega.train.forked_ranks import start_job_rank_server
-
+    starts a thread here (MLflow's SQL store does). The tool sets ``OMP_NUM_THREADS`` (1 unless set) before
+    it imports this module, which imports torch: torch's OpenMP pool must not start threads here."""
     try:
         cfg = load_config(config, overrides)
     except ConfigError:

@@ -31,9 +31,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from sparse_rl_mega.config import ArchConfig, RunConfig
+from sparse_rl_mega.config.evaluation import needs_request_override, parse_kv_variants
 from sparse_rl_mega.kv.engine_settings import (DEFAULT_RUNNING_REQUESTS, EngineKVSettings, compressed_bound,
                                                cuda_graphs_allowed, records_queries, side_buffer_bytes)
-from sparse_rl_mega.config import ArchConfig, RunConfig
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -282,8 +283,6 @@ def engine_settings(cfg: RunConfig) -> EngineKVSettings:
     kv = cfg.rollout.kv_compression
     override = False
     if cfg.eval.path is not None:
-        from sparse_rl_mega.config.evaluation import needs_request_override, parse_kv_variants
-
         override = needs_request_override(parse_kv_variants(cfg.eval.kv, kv))
     return EngineKVSettings.from_config(kv, allow_request_override=override)
 

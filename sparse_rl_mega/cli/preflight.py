@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sparse_rl_mega.config import RunConfig
+from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -117,8 +118,6 @@ def check_model_folder(cfg: RunConfig, report: Preflight, absent) -> bool:
 def load_datasets(cfg: RunConfig, report: Preflight, absent, model_ready: bool) -> dict:
     """``{key: PromptDataset}`` of the data files that exist and read cleanly; a bad file or row is a
     problem naming the key, the file and the line."""
-    from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
-
     d = cfg.data
     datasets = {}
     if not Path(d.train_path).is_file():

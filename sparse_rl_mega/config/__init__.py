@@ -18,8 +18,8 @@ from sparse_rl_mega.config.hf import arch_from_hf_config, fill_arch_from_folder
 from sparse_rl_mega.config.loading import config_from_dict, load_config, load_config_or_exit
 from sparse_rl_mega.config.model import ArchConfig, ModelConfig, ParallelConfig, TinyModelConfig
 from sparse_rl_mega.config.rollout import AutoBudgetConfig, KVCompressionConfig, RolloutConfig
-from sparse_rl_mega.config.run import (CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig, TrackingConfig,
-                                       TrainerConfig)
+from sparse_rl_mega.config.run import (CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig,
+                                       TrackingConfig, TrainerConfig)
 from sparse_rl_mega.config.validation import validate
 
 __all__ = ["AlgorithmConfig", "ArchConfig", "AutoBudgetConfig", "CORRECTION_PRESETS", "CheckpointConfig", "ConfigError",

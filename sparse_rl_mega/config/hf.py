@@ -100,3 +100,12 @@ def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
         ours = getattr(a, name)
         require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,
                  f"model.arch.{name}", f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
+
+
+def hf_shape(model_path: str | Path) -> dict:
+    """What sizing an engine's buffers needs of the model in ``model_path``: layers, heads, KV heads,
+    head width and vocabulary (read by :func:`arch_from_hf_config`)."""
+    arch = arch_from_hf_config(model_path)
+    heads = arch["num_attention_heads"]
+    return {"layers": arch["num_layers"], "heads": heads, "kv_heads": arch["num_query_groups"],
+            "head_dim": arch.get("head_dim") or arch["hidden_size"] // heads, "vocab": arch["vocab_size"]}

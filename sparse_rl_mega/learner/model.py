@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_rl_mega.config import RunConfig
+from sparse_rl_mega.learner.context_parallel import AllGatherKVAttention
 
 # float64 is not a config choice (SGLang serves float32/bfloat16): exactness tests set it directly.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -66,8 +67,6 @@ def layer_spec(cfg: RunConfig):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     if cfg.parallel.context_parallel_size > 1:  # Megatron's local attention refuses CP: gather K/V instead
-        from sparse_rl_mega.learner.context_parallel import AllGatherKVAttention
-
         spec.submodules.self_attention.submodules.core_attention = AllGatherKVAttention
     return spec
 

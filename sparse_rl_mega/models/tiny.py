@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from sparse_rl_mega.config import ArchConfig, TinyModelConfig
-from sparse_rl_mega.data.jsonl import PromptDataset
+from sparse_rl_mega.data.jsonl import PromptDataset, json_objects
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -30,8 +30,6 @@ def worked_answer(record_prompt: str, label: str) -> str:
 
 def worked_answers(train_path: str, prompt_key: str = "prompt") -> dict[str, str]:
     """``{prompt: worked answer}`` of the rows of ``train_path`` that carry a ``worked`` string."""
-    from sparse_rl_mega.data.jsonl import json_objects
-
     return {row[prompt_key]: row["worked"] for _, _, row, problem in json_objects(train_path)
             if problem is None and isinstance(row.get("worked"), str) and isinstance(row.get(prompt_key), str)}
 

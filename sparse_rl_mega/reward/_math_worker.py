@@ -23,6 +23,8 @@ import socket
 import sys
 import warnings
 
+from sparse_rl_mega.reward.math import verify_answer
+
 
 def _die_with_parent(parent_pid: int) -> None:
     try:
@@ -37,8 +39,6 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _serve_items(items, out, memory_mb: int) -> None:
     """One worker: answer the items read from ``items`` on ``out`` until end of input."""
-    from sparse_rl_mega.reward.math import verify_answer
-
     if memory_mb > 0:
         import resource
 
@@ -62,8 +62,6 @@ def main() -> None:
     os.dup2(2, 1)  # anything printed goes to stderr; the channels are the workers' own descriptors
     logging.disable(logging.CRITICAL)  # math-verify warns on every call made with timeouts disabled
     warnings.simplefilter("ignore")
-
-    from sparse_rl_mega.reward.math import verify_answer
 
     verify_answer("1", "1")
     verify_answer("(x+1)^2", "x^2+2x+1")  # warm the LaTeX grammar and sympy before the first timed item

@@ -200,13 +200,3 @@ def verify_answer(pred: str, gold: str, _gold_cache: dict = {}) -> tuple[bool, s
     if not parsed_pred:
         return False, "pred_parse"
     return bool(verify(parsed_gold, parsed_pred, timeout_seconds=None)), "ok"
-
-
-def math_reward(response: str, label: str) -> float:
-    """1.0 when the response's final answer is mathematically equal to the label's, else 0.0.
-
-    Uses a module-level :class:`~sparse_rl_mega.reward.scorer.Scorer` (2 workers, 2 s per check),
-    started on first use and closed at exit; batches should use ``build_scorer(...).score``."""
-    from sparse_rl_mega.reward.scorer import default_scorer
-
-    return default_scorer().score([response], [label])[0]

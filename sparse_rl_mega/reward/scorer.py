@@ -459,3 +459,11 @@ def default_scorer() -> MathScorer:
         if _default is None or _default._owner_pid != os.getpid() or _default._closed:
             _default = MathScorer()
         return _default
+
+
+def math_reward(response: str, label: str) -> float:
+    """1.0 when the response's final answer is mathematically equal to the label's, else 0.0.
+
+    Uses a module-level :class:`~sparse_rl_mega.reward.scorer.Scorer` (2 workers, 2 s per check),
+    started on first use and closed at exit; batches should use ``build_scorer(...).score``."""
+    return default_scorer().score([response], [label])[0]

@@ -10,24 +10,21 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import signal
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from sparse_rl_mega.rollout import sglang_internals
-from sparse_rl_mega.kv.engine_settings import (DEFAULT_RUNNING_REQUESTS, ENV_VAR, REQUEST_KEY, EngineKVSettings,
-                                     cuda_graphs_allowed, records_queries, side_buffer_bytes,
-                                     tp_split_problem)
-from sparse_rl_mega.runtime import watchdog
 from sparse_rl_mega.batch import GeneratedSample
-from sparse_rl_mega.kv.policies import build_policy
-from sparse_rl_mega.rollout import forkserver
+from sparse_rl_mega.config.hf import hf_shape
+from sparse_rl_mega.kv.engine_settings import ENV_VAR, REQUEST_KEY, EngineKVSettings
+from sparse_rl_mega.rollout import forkserver, sglang_internals
+from sparse_rl_mega.rollout.engine_args import check_engine_tp, check_request_kv, server_arguments, support_cap
+from sparse_rl_mega.rollout.engine_processes import (engine_process_env, exit_description, keep_process_on_child_crash,
+                                                     own_event_loop, process_names, without_launcher_env)
+from sparse_rl_mega.runtime import watchdog
 
 
 class EngineFailure(RuntimeError):
@@ -39,196 +36,16 @@ class EngineFailure(RuntimeError):
         self.engine, self.phase, self.reason = engine, phase, reason
         super().__init__(f"{engine} failed in {phase}: {reason}")
 
-
-def keep_process_on_child_crash() -> None:
-    """SGLang's scheduler and detokenizer (and its subprocess watchdog) send SIGQUIT to the engine's
-    host process when they fail; SGLang's handler then kills this whole process tree, and without a
-    handler (an engine started off the main thread) SIGQUIT's default action ends the process. Either
-    way a learner rank would die with its engine. Here the engine's calls notice the dead process
-    instead and raise :class:`EngineFailure`. Needs the main thread (signal handlers are set there)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGQUIT, _child_crashed)
-
-
-def _child_crashed(signum, frame) -> None:  # noqa: ARG001 (the engine's calls report the failure)
-    pass
-
-
 DEFAULT_ENGINE_TIMEOUT_S = 600.0  # no answer for this long is a hang (a 70B bucket takes seconds)
-_POLL_S = 0.25  # how often a waiting call checks the engine's processes
-FLUSH_WAIT_S = 30.0  # an idle engine empties its prefix cache at the second attempt
 
+_POLL_S = 0.25  # how often a waiting call checks the engine's processes
+
+FLUSH_WAIT_S = 30.0  # an idle engine empties its prefix cache at the second attempt
 
 # torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
 # them (RANK, WORLD_SIZE, MASTER_PORT, ...) when they build their own group and would wait for peers
 # that never come.
 WEIGHT_GROUP = "sparse_rl_mega_weights"
-
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                 "GROUP_WORLD_SIZE", "ROLE_NAME",
-                 "CUDA_DEVICE_MAX_CONNECTIONS")  # the learner's setting (run_training), not the engine's
-
-
-@contextmanager
-def _own_event_loop():
-    """A new event loop, current on this thread while SGLang's Engine is built (the Engine keeps the
-    thread's current loop): engines built on one thread would otherwise share one loop, and closing one
-    engine's loop at its shutdown would break the next."""
-    policy = asyncio.get_event_loop_policy()
-    try:
-        previous = policy.get_event_loop()
-    except RuntimeError:  # none on this (non-main) thread
-        previous = None
-    policy.set_event_loop(policy.new_event_loop())
-    try:
-        yield
-    finally:
-        policy.set_event_loop(previous)
-
-
-@contextmanager
-def _without_launcher_env():
-    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-@contextmanager
-def _engine_process_env(on_cpu: bool):
-    """The environment SGLang's processes are spawned with: without the launcher's variables, and on the
-    CPU with ``TORCHDYNAMO_DISABLE=1``. SGLang wraps its seeded sampling (``multinomial_with_seed``) in
-    ``torch.compile``; on the CPU every new scheduler process then spends ~13 s (2 cores) tracing and
-    loading inductor's C++ kernel on its first seeded request, or compiles it with gcc on a fresh
-    machine, for a fused kernel that saves microseconds here. Eagerly it samples the same tokens."""
-    dynamo = os.environ.get("TORCHDYNAMO_DISABLE")
-    if on_cpu:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:
-        with _without_launcher_env():
-            yield
-    finally:
-        if on_cpu:
-            if dynamo is None:
-                os.environ.pop("TORCHDYNAMO_DISABLE", None)
-            else:
-                os.environ["TORCHDYNAMO_DISABLE"] = dynamo
-
-
-def preload_cpu_engines() -> bool:
-    """Called first by a process that will start CPU engines (an engine-hosting learner rank, the
-    evaluation and benchmark tools), while it runs one thread: SGLang is imported here under the
-    environment of the engine processes and their server is forked from this process
-    (:func:`forkserver.start_server_here`; ~15 CPU-s less per host than a server that imports it all
-    again). Nothing on a GPU machine (GPU engines are spawned); False when no server was forked."""
-    if torch.cuda.is_available():
-        return False
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # (as RolloutEngine sets it)
-    with _engine_process_env(on_cpu=True):
-        return forkserver.start_server_here()
-
-
-def import_cpu_engine_modules() -> None:
-    """SGLang's modules imported here under the environment of CPU engine processes, as
-    :func:`preload_cpu_engines` imports them (for a process that forks the engine hosts:
-    ``forked_ranks.py``)."""
-    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    with _engine_process_env(on_cpu=True):
-        forkserver.import_engine_modules()
-
-
-def cpu_core_groups(parts: int) -> str:
-    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for a CPU engine with ``parts`` TP ranks: this process's
-    cores split into ``parts`` groups (``"0-7|8-15"``); with fewer cores than ranks, ranks share cores.
-    Without it SGLang allows one rank per NUMA node only."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // parts)
-    groups = []
-    for i in range(parts):
-        group = cores[i * per:(i + 1) * per] or [cores[i % len(cores)]]
-        groups.append(str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}")
-    return "|".join(groups)
-
-
-def newline_token_ids(tokenizer) -> list[int]:
-    """Ids of the vocabulary entries whose text ends a line (the newline trigger's tokens)."""
-    ids = []
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id])
-        if text.endswith("\n"):
-            ids.append(token_id)
-    return ids
-
-
-def check_request_kv(kv: EngineKVSettings, override: Optional[dict]) -> None:
-    """Raise ValueError (TypeError for an unknown policy parameter) if ``override`` (None: the engine's
-    own settings) on an engine with settings ``kv`` is not a policy the engine can run at its budget."""
-    if override is not None and kv.refusal(override):
-        raise ValueError(kv.refusal(override))
-    resolved = kv.updated(override) if override is not None else kv
-    if resolved.enabled:
-        build_policy(resolved.policy, sink=resolved.sink, window=resolved.window, selection=resolved.selection,
-                     shared_scores=resolved.shared_scores, **resolved.params).check_budget(resolved.budget)
-
-
-def engine_kv_settings(kv_cfg, tokenizer=None) -> EngineKVSettings:
-    """Map ``rollout.kv_compression`` of the run config onto the engine's settings (the tokenizer is
-    needed for the newline trigger)."""
-    newlines = []
-    if kv_cfg.trigger == "newline":
-        if tokenizer is None:
-            raise ValueError("the newline trigger needs the tokenizer to find newline tokens")
-        newlines = newline_token_ids(tokenizer)
-    return EngineKVSettings.from_config(kv_cfg, newline_token_ids=newlines)
-
-
-def _hf_shape(model_path: str) -> dict:
-    import json
-    from pathlib import Path
-
-    hf = json.loads((Path(model_path) / "config.json").read_text())
-    heads = hf["num_attention_heads"]
-    return {"layers": hf["num_hidden_layers"], "heads": heads, "kv_heads": hf.get("num_key_value_heads", heads),
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab": hf["vocab_size"]}
-
-
-def support_cap(top_k: int, vocab_size: int) -> int:
-    """The largest sampling support an engine must report for requests truncated at ``top_k`` (-1:
-    top-p alone): SGLang's ``sampling_mask_max_tokens``, which also sets how many ids its sampler packs
-    per request and step (``layers/sampler.py``), so it is kept as small as the truncation allows."""
-    return top_k if top_k > 0 else vocab_size
-
-
-def check_engine_tp(model_path: str, kv: EngineKVSettings, tp_size: int) -> None:
-    """Refuse an engine TP that splits the query heads of a KV head the policy scores
-    (:func:`~sparse_rl_mega.kv.engine_settings.tp_split_problem`)."""
-    kv_heads = _hf_shape(model_path)["kv_heads"]
-    problem = tp_split_problem(kv, tp_size, kv_heads)
-    if problem:
-        raise ValueError(f"engine TP {tp_size} exceeds the {kv_heads} KV heads of {model_path}: {problem}")
-
-
-def engine_side_buffers(model_path: str, kv: EngineKVSettings, *, tp_size: int, dtype: str,
-                        running_requests: int, prompt_tokens: int) -> dict[str, int]:
-    """Bytes of the KV patch's side buffers on one engine TP rank of the HF model at ``model_path``
-    (``sparse_rl_mega.kv.engine_settings.side_buffer_bytes`` with this model's shape)."""
-    shape = _hf_shape(model_path)
-    return side_buffer_bytes(kv, running_requests=running_requests, layers=shape["layers"],
-                             q_heads=shape["heads"] // tp_size, kv_heads=max(1, shape["kv_heads"] // tp_size),
-                             head_dim=shape["head_dim"], dtype_bytes=2 if dtype in ("bfloat16", "float16") else 4,
-                             prompt_tokens=prompt_tokens)
-
-
-def reserved_mem_fraction(mem_fraction_static: float, side_bytes: int, free_bytes: int) -> float:
-    """``mem_fraction_static`` that leaves ``side_bytes`` more free: SGLang 0.5.23 keeps
-    ``free memory at launch x (1 - mem_fraction_static)`` out of its pool (``kv_cache_configurator``:
-    ``slack = pre_model_load_memory * (1 - mem_fraction_static)``), so the fraction drops by
-    ``side_bytes / free_bytes``."""
-    return mem_fraction_static - side_bytes / free_bytes
-
 
 _SGLANG_ENGINES: list = []  # every SGLang Engine this process made (RolloutEngine.__init__: why)
 
@@ -258,49 +75,18 @@ class RolloutEngine:
         import sglang as sgl
 
         on_cpu = not torch.cuda.is_available()
-        kwargs = dict(model_path=model_path, dtype=dtype, random_seed=seed, tp_size=tp_size, weight_version="0",
-                      mem_fraction_static=mem_fraction_static, log_level=log_level, skip_server_warmup=True,
-                      # the KV patch edits request rows between steps: one page per token, no overlap
-                      page_size=1, disable_overlap_schedule=True,
-                      # an idle scheduler otherwise polls at 100 % of a core, which the learner needs
-                      sleep_on_idle=True)
-        if on_cpu and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_core_groups(tp_size)
-        if on_cpu:
-            kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native",
-                          sampling_backend="pytorch", disable_cuda_graph=True)
-        else:
-            kwargs.update(base_gpu_id=base_gpu_id, enable_memory_saver=memory_saver)
-            if attention_backend:
-                kwargs["attention_backend"] = attention_backend
-            graphs, why = cuda_graphs_allowed(kv)
-            if not graphs:
-                kwargs["disable_cuda_graph"] = True
-            if records_queries(kv):  # the ring has a row per running request: bound them
-                max_running_requests = max_running_requests or DEFAULT_RUNNING_REQUESTS
-                side = engine_side_buffers(model_path, kv, tp_size=tp_size, dtype=dtype,
-                                           running_requests=max_running_requests, prompt_tokens=prompt_tokens)
-                # free memory of the engine's first GPU (asking the others would open CUDA contexts on
-                # GPUs of other learner ranks); colocated GPUs of one node hold the same learner states
-                free = torch.cuda.mem_get_info(base_gpu_id)[0]
-                kwargs["mem_fraction_static"] = reserved_mem_fraction(mem_fraction_static, sum(side.values()), free)
-                why += (f"; side buffers {sum(side.values()) / 2**30:.2f} GiB per TP rank (query ring "
-                        f"{side['query_ring'] / 2**30:.2f}, H2O mass {side['h2o_mass'] / 2**30:.2f}, scoring workspace "
-                        f"{side['scoring'] / 2**30:.2f}) taken out of mem_fraction_static -> "
-                        f"{kwargs['mem_fraction_static']:.3f}")
-            log(f"[engine] {why}")
-        self.vocab_size = _hf_shape(model_path)["vocab"]
+        self.vocab_size = hf_shape(model_path)["vocab"]
         self.support_cap = None if support_top_k is None else support_cap(support_top_k, self.vocab_size)
-        if self.support_cap is not None:
-            kwargs["sampling_mask_max_tokens"] = self.support_cap
-        if max_total_tokens:
-            kwargs["max_total_tokens"] = max_total_tokens
-        if max_running_requests:
-            kwargs["max_running_requests"] = max_running_requests
+        kwargs = server_arguments(model_path, kv, on_cpu=on_cpu, dtype=dtype, seed=seed, tp_size=tp_size,
+                                  mem_fraction_static=mem_fraction_static, log_level=log_level,
+                                  attention_backend=attention_backend, base_gpu_id=base_gpu_id,
+                                  memory_saver=memory_saver, max_total_tokens=max_total_tokens,
+                                  max_running_requests=max_running_requests, prompt_tokens=prompt_tokens,
+                                  sampling_support=self.support_cap, log=log)
         self.kv = kv
         self.model_path = model_path
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
-        with _engine_process_env(on_cpu), _own_event_loop():
+        with engine_process_env(on_cpu), own_event_loop():
             if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
                 forkserver.use_forkserver()
             self.engine = engine_class(**kwargs)
@@ -319,13 +105,11 @@ class RolloutEngine:
         # every call to SGLang runs on this one thread while the caller watches the engine's processes
         self._caller = ThreadPoolExecutor(1, thread_name_prefix="engine-call")
         self.failure: Optional[EngineFailure] = None
-        self.processes = _process_names(self.engine.get_all_child_pids())  # {pid: name}
+        self.processes = process_names(self.engine.get_all_child_pids())  # {pid: name}
         self.on_cpu = on_cpu
         self.started = forkserver.how_started(self.processes)  # (said in start-up lines)
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
         self.weight_version = 0  # 0: the weights loaded from model_path
-        self._weight_group = None
-        self._weight_backend, self._group_name = "gloo", WEIGHT_GROUP
 
     @property
     def forked(self) -> bool:
@@ -452,75 +236,16 @@ class RolloutEngine:
         except EngineFailure as failure:
             return failure
 
-    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: Optional[int] = None) -> int:
-        """Load HF-named tensors bucket by bucket from this process's shared memory (each bucket packed
-        into one flattened buffer); ``version`` (default: one more than the last) is served after it."""
-        return self._push_named(buckets, version, broadcast=False)
-
-    def update_weights_broadcast(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                 version: Optional[int] = None) -> int:
-        """As :meth:`update_weights`, each bucket broadcast over the group of :meth:`connect_weight_group`."""
-        if self._weight_group is None:
-            raise RuntimeError("connect_weight_group() first")
-        return self._push_named(buckets, version, broadcast=True)
-
-    def _push_named(self, buckets, version: Optional[int], broadcast: bool) -> int:
-        import torch.distributed as dist
-
-        from sparse_rl_mega.learner.flat_buckets import Slot
-        from sparse_rl_mega.rollout.weight_push import serialize_bucket
-
-        version = self.weight_version + 1 if version is None else version
-        pending = list(buckets)
-        self.begin_update()
-        try:
-            for number, named in enumerate(pending):
-                dtype, slots, offset = named[0][1].dtype, [], 0
-                for name, tensor in named:
-                    slots.append(Slot(name, tuple(tensor.shape), offset, tensor.numel() * dtype.itemsize))
-                    offset += slots[-1].nbytes
-                flat = torch.cat([t.to(dtype).reshape(-1).view(torch.uint8) for _, t in named])
-                last = version if number == len(pending) - 1 else None
-                if broadcast:
-                    submitted = self.submit_flat_receive(slots, dtype, self._group_name, last)
-                    try:
-                        dist.broadcast(flat.cuda() if self._weight_backend == "nccl" else flat, src=0,
-                                       group=self._weight_group)
-                    except RuntimeError as exc:
-                        raise self.broadcast_failed(exc) from None
-                else:
-                    submitted = self.submit_flat_bucket(
-                        serialize_bucket(flat.share_memory_(), slots, offset, dtype, self.tp_size), last)
-                self.wait_bucket(submitted)
-        except EngineFailure:
-            raise
-        except BaseException:
-            self._call("weight push", self.engine.end_weight_update)  # (the session must not stay open)
-            raise
-        self.end_update(version)
-        return version
-
-    def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
-                             world_size: Optional[int] = None, group_name: str = WEIGHT_GROUP) -> None:
-        """Create a weight broadcast group as its member 0 (this process), with this engine's ranks as
-        members 1..tp; ``world_size`` > 1 + tp when other engines join too. A broadcast that gets no
-        answer within ``timeout_s`` fails. (The learner's pushes form their groups in ``fleet.py``.)"""
-        from sparse_rl_mega.rollout.weight_push import create_weight_group
-
-        world_size = world_size or 1 + self.tp_size
-        joining = self.submit_join_weight_group(master_address, master_port, 1, world_size, backend, group_name)
-        with _without_launcher_env():
-            self._weight_group = create_weight_group(master_address, master_port, world_size, group_name, backend,
-                                                     self.timeout_s)
-        self.wait_join_weight_group(joining)
-        self._weight_backend, self._group_name = backend, group_name
+    def abort_update(self) -> None:
+        """End a weight-update session that failed on this side (the engine must not stay in it)."""
+        self._call("weight push", self.engine.end_weight_update)
 
     def submit_join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  backend: str, group_name: str) -> Future:
         """Ask this engine's ranks to join the weight group whose member 0 listens at
         ``master_address:master_port``, as members ``rank_offset .. rank_offset + tp - 1`` (on the call
         thread: it returns once every member joined)."""
-        with _without_launcher_env():
+        with without_launcher_env():
             return self._submit(self.engine.init_weights_update_group, master_address, master_port, rank_offset,
                                 world_size, group_name, backend)
 
@@ -677,7 +402,7 @@ class RolloutEngine:
             except psutil.NoSuchProcess:  # reaped already (a forkserver's child: by the server, at once)
                 status = psutil.STATUS_DEAD
             if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                return f"its {name} process (pid {pid}) died{_exit_description(pid)}"
+                return f"its {name} process (pid {pid}) died{exit_description(pid)}"
             if status == psutil.STATUS_STOPPED:
                 stopped.append(f"{name} (pid {pid}) is stopped")
         silent = time.time() - max(waiting_since, sglang_internals.last_answer_time(self.engine))
@@ -737,80 +462,3 @@ class PendingGeneration:
                 response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
                 cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
         return samples
-
-
-def _process_names(pids: Sequence[int]) -> dict[int, str]:
-    """``{pid: name}`` of an engine's processes (SGLang titles them ``sglang::scheduler`` ...)."""
-    import psutil
-
-    names = {}
-    for pid in pids:
-        try:
-            title = psutil.Process(pid).name()
-        except psutil.NoSuchProcess:
-            title = "engine"
-        names[pid] = title.split("::")[-1].split("_TP")[0] or "engine"
-    return names
-
-
-def _exit_description(pid: int) -> str:
-    """`` (killed by signal 9, SIGKILL)`` or `` (exit status 1)`` for a dead engine process, else ``""``
-    (still running, or its code unknown)."""
-    code = forkserver.exit_code(pid) if forkserver.forked(pid) else _reap_child(pid)
-    if code is None:
-        return ""
-    if code < 0:
-        return f" (killed by signal {-code}, {signal.Signals(-code).name})"
-    return f" (exit status {code})"
-
-
-def _reap_child(pid: int) -> Optional[int]:
-    """The exit code of this process's dead child ``pid`` (reaps it; negative: the signal), else None."""
-    try:
-        done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return None
-    return os.waitstatus_to_exitcode(status) if done else None
-
-
-class EngineStart:
-    """A :class:`RolloutEngine` started on a background thread, so that the learner is built and loaded
-    meanwhile: SGLang's scheduler and detokenizer import and load in their own processes, this thread
-    mostly waits for them. :meth:`result` waits, bounded, and re-raises the start's error here.
-
-    The thread then stays parked until the engine shuts down: a GPU engine's children ask for SIGKILL
-    when the *thread* that spawned them ends (``PR_SET_PDEATHSIG``; a CPU engine's are forked by the
-    forkserver, which its own thread starts: ``rollout/forkserver.py``). SGLang sets no SIGQUIT
-    handler off the main thread: call :func:`keep_process_on_child_crash` on the main thread, or a child that dies
-    ends this process (SIGQUIT's default action)."""
-
-    def __init__(self, *args, **kwargs):
-        self.engine: Optional[RolloutEngine] = None
-        self.error: Optional[BaseException] = None
-        self.seconds: Optional[float] = None  # how long the start took, once done
-        self._started = time.perf_counter()
-        self._ready, self._stopped = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, name="engine-start", daemon=True)
-        self._thread.start()
-
-    def _run(self, *args, **kwargs) -> None:
-        try:
-            self.engine = RolloutEngine(*args, **kwargs)
-            self.engine.on_shutdown = self._stopped.set
-        except BaseException as exc:  # noqa: BLE001 (re-raised on the caller's thread)
-            self.error = exc
-            return
-        finally:
-            self.seconds = time.perf_counter() - self._started
-            self._ready.set()
-        self._stopped.wait()
-
-    def result(self, timeout_s: float) -> RolloutEngine:
-        deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(min(1.0, max(deadline - time.monotonic(), 0.0))):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"the SGLang engine did not come up within {timeout_s:.0f} s")
-            watchdog.beat()  # (a start within its bound is progress)
-        if self.error is not None:
-            raise RuntimeError(f"the SGLang engine failed to start: {self.error}") from self.error
-        return self.engine

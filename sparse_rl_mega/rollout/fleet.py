@@ -19,12 +19,19 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.rollout.engine import EngineFailure, EngineStart, RolloutEngine, keep_process_on_child_crash
+from sparse_rl_mega.batch import RolloutBatch
+from sparse_rl_mega.learner.flat_buckets import plan_push
+from sparse_rl_mega.learner.step import forward_logprobs
+from sparse_rl_mega.learner.weights import _local_shards
+from sparse_rl_mega.rollout.engine import EngineFailure, RolloutEngine
+from sparse_rl_mega.rollout.engine_processes import keep_process_on_child_crash, without_launcher_env
 from sparse_rl_mega.rollout.placement import run_placements
+from sparse_rl_mega.rollout.supervisor import (EnginesGaveUp, EngineStart, EngineSupervisor, agree_on_errors,
+                                               agree_on_failures, gather_given)
 from sparse_rl_mega.rollout.weight_push import (PushBuffers, WeightGroup, WeightPush, consumers_of, create_weight_group,
                                                 push_store, share_authkey, transport, weight_groups)
-from sparse_rl_mega.rollout.supervisor import (EngineSupervisor, EnginesGaveUp, agree_on_errors, agree_on_failures,
-                                               gather_given)
+from sparse_rl_mega.runtime.ports import free_port
+
 
 T = TypeVar("T")
 CHECK_PHASE = "weight sync (logprob check)"
@@ -94,9 +101,6 @@ class EngineFleet:
         """Every rank that owns buckets and broadcasts them to some engine forms a weight group with
         those engines' ranks, as its member 0 (``weight_push.weight_groups``); again after engines
         restart, under new names. Each group is formed by all ranks in turn (its owner says where)."""
-        from sparse_rl_mega.runtime.ports import free_port
-        from sparse_rl_mega.rollout.engine import _without_launcher_env
-
         cfg = self.cfg
         self.groups += 1
         self.weight_groups = {g.owner: g for g in weight_groups(
@@ -117,7 +121,7 @@ class EngineFleet:
             if offset is not None:  # this rank's engine joins (on its call thread: the owner's half blocks)
                 joining = self.engine.submit_join_weight_group(host, port, offset, group.size, backend, group.name)
             if self.rank == owner:
-                with _without_launcher_env():
+                with without_launcher_env():
                     self.group_handle = create_weight_group(host, port, group.size, group.name, backend,
                                                             cfg.rollout.engine_timeout_s)
             if joining is not None:
@@ -224,9 +228,6 @@ class EngineFleet:
 
     def _push_plan(self):
         """The buckets of a push (made once per layout and settings; collective the first time)."""
-        from sparse_rl_mega.learner.flat_buckets import plan_push
-        from sparse_rl_mega.learner.weights import _local_shards
-
         cfg = self.cfg
         dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
         bucket_bytes = int(cfg.trainer.sync_bucket_mb * 2**20)
@@ -293,9 +294,6 @@ class EngineFleet:
         """The learner's dense logprobs of ``probe_ids[1:]`` at temperature 1 over the whole vocabulary,
         as the engine's greedy prefill (``dense_logprobs``) computes them: the weight check compares
         weights, not sampling settings."""
-        from sparse_rl_mega.batch import RolloutBatch
-        from sparse_rl_mega.learner.step import forward_logprobs
-
         ids = torch.tensor([probe_ids])
         one = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(1, ids.shape[1] - 1),
                            logp_sparse=torch.zeros(1, ids.shape[1] - 1), rewards=torch.zeros(1),

@@ -46,9 +46,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
-from sparse_rl_mega.rollout import sglang_internals
 from sparse_rl_mega.kv.engine_settings import ENV_VAR
+from sparse_rl_mega.rollout import sglang_internals
 from sparse_rl_mega.runtime import process_server
+from sparse_rl_mega.runtime.jobs import die_with_parent
 
 PRELOAD = ["sparse_rl_mega.rollout.forkserver_preload",  # first: SIGQUIT ignored while SGLang imports
            *sglang_internals.ENGINE_PROCESS_MODULES]
@@ -94,8 +95,6 @@ class EngineProcess(ForkServerProcess):
         _started[self.pid] = self
 
     def run(self) -> None:
-        from sparse_rl_mega.runtime.jobs import die_with_parent
-
         # SIGKILL when the server ends, from the first instruction: SGLang asks for it only once set up, and a
         # job stopped while its engine starts would leave the processes forked before then running
         die_with_parent()

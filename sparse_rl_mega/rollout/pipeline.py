@@ -40,7 +40,12 @@ import torch
 import torch.distributed as dist
 
 from sparse_rl_mega.batch import RolloutBatch, pack_samples
+from sparse_rl_mega.data.formatting import encode_prompt
+from sparse_rl_mega.kv.auto_budget import BudgetController
+from sparse_rl_mega.kv.policies import policy_class, replay_compression
+from sparse_rl_mega.reward.scorer import ScorerStats
 from sparse_rl_mega.rollout.engine import EngineFailure, PendingGeneration, RolloutEngine
+from sparse_rl_mega.rollout.placement import prompt_shard
 
 AHEAD_FILE = "rollout_ahead.pt"  # in a checkpoint folder: the batch the next iteration trains on
 
@@ -87,8 +92,6 @@ class RolloutPipeline:
         self.ahead: Optional[SampledBatch] = None  # that batch, once collected (or loaded from a checkpoint)
         self.engine_finished_at: Optional[float] = None  # host: when its engine finished its last batch
         self.generated: list[tuple[int, int, float, float]] = []  # (iteration, engine, start, end) since drained
-        from sparse_rl_mega.kv.auto_budget import BudgetController
-
         self.budget_control = BudgetController.from_config(cfg.rollout.kv_compression)  # None: a fixed budget
         self.batch_budgets: dict[int, int] = {}  # iteration -> the budget its batch was started with
         if self.max_staleness and fleet.release_memory:
@@ -203,8 +206,6 @@ class RolloutPipeline:
         """Iteration ``iteration``'s batch: each engine host finishes its shard in flight or samples it
         now; an engine that fails is restarted with the learner's weights (``learner_version``) and
         samples its shard again. Every rank gets the whole batch in prompt order."""
-        from sparse_rl_mega.reward.scorer import ScorerStats
-
         cfg = self.cfg
 
         def my_shard(engine):
@@ -269,9 +270,6 @@ class RolloutPipeline:
 
     def _start_shard(self, engine: RolloutEngine, iteration: int) -> InFlight:
         """Host: ``engine`` starts on its shard of iteration ``iteration``'s prompts."""
-        from sparse_rl_mega.data.formatting import encode_prompt
-        from sparse_rl_mega.rollout.placement import prompt_shard
-
         cfg, r = self.cfg, self.cfg.rollout
         records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
         shard = prompt_shard(len(records), len(self.fleet.placements), self.fleet.placement.index)
@@ -324,8 +322,6 @@ class RolloutPipeline:
     def _per_sample_compression(self, engine: RolloutEngine, samples, budget: Optional[int]):
         """What compression did to each sample (kv/policies.py CompressionReplay), replayed from its
         lengths at ``budget`` (None: dense)."""
-        from sparse_rl_mega.kv.policies import policy_class, replay_compression
-
         kv = self.cfg.rollout.kv_compression
         if budget is None:  # dense: nothing evicted, every sample's KV whole
             budget, interval, needed = 1 << 62, 1, 0

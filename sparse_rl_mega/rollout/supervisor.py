@@ -15,12 +15,58 @@ Pushing the current weights to a restarted engine and sampling its lost shard ag
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from sparse_rl_mega.rollout.engine import EngineFailure, EngineStart, RolloutEngine
+from sparse_rl_mega.rollout.engine import EngineFailure, RolloutEngine
+from sparse_rl_mega.runtime import watchdog
+
+
+class EngineStart:
+    """A :class:`RolloutEngine` started on a background thread, so that the learner is built and loaded
+    meanwhile: SGLang's scheduler and detokenizer import and load in their own processes, this thread
+    mostly waits for them. :meth:`result` waits, bounded, and re-raises the start's error here.
+
+    The thread then stays parked until the engine shuts down: a GPU engine's children ask for SIGKILL
+    when the *thread* that spawned them ends (``PR_SET_PDEATHSIG``; a CPU engine's are forked by the
+    forkserver, which its own thread starts: ``rollout/forkserver.py``). SGLang sets no SIGQUIT
+    handler off the main thread: call :func:`keep_process_on_child_crash` on the main thread, or a child that dies
+    ends this process (SIGQUIT's default action)."""
+
+    def __init__(self, *args, **kwargs):
+        self.engine: Optional[RolloutEngine] = None
+        self.error: Optional[BaseException] = None
+        self.seconds: Optional[float] = None  # how long the start took, once done
+        self._started = time.perf_counter()
+        self._ready, self._stopped = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, name="engine-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args, **kwargs) -> None:
+        try:
+            self.engine = RolloutEngine(*args, **kwargs)
+            self.engine.on_shutdown = self._stopped.set
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the caller's thread)
+            self.error = exc
+            return
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            self._ready.set()
+        self._stopped.wait()
+
+    def result(self, timeout_s: float) -> RolloutEngine:
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(min(1.0, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the SGLang engine did not come up within {timeout_s:.0f} s")
+            watchdog.beat()  # (a start within its bound is progress)
+        if self.error is not None:
+            raise RuntimeError(f"the SGLang engine failed to start: {self.error}") from self.error
+        return self.engine
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from sparse_rl_mega.learner.flat_buckets import PlannedBucket, PushPlan, holds_pieces, pack_bucket, send_pieces
 from sparse_rl_mega.rollout.engine import WEIGHT_GROUP, EngineFailure, RolloutEngine
+from sparse_rl_mega.rollout.sglang_internals import enable_cuda_tensor_pickling, init_weight_group
 
 STORE_PREFIX = "sparse_rl_mega/weight_push/"
 
@@ -138,7 +139,6 @@ def serialize_bucket(flat: torch.Tensor, slots: list, nbytes: int, dtype: torch.
     plain namespaces (SGLang reads their attributes; its unpickler allows them), so a learner rank need
     not import SGLang."""
     if flat.is_cuda:  # SGLang's own reduction of CUDA tensors (device UUIDs): its unpickler allows only that one
-        from sparse_rl_mega.rollout.sglang_internals import enable_cuda_tensor_pickling
         enable_cuda_tensor_pickling()
         torch.cuda.current_stream().synchronize()  # the scheduler reads on its own stream
     from multiprocessing.reduction import ForkingPickler
@@ -319,8 +319,6 @@ class WeightPush:
 def create_weight_group(host: str, port: int, size: int, name: str, backend: str, timeout_s: float):
     """This rank's side of a weight group, as its member 0 (it hosts the group's store at ``port``);
     returns once every member joined. A broadcast over it fails after ``timeout_s`` without an answer."""
-    from sparse_rl_mega.rollout.sglang_internals import init_weight_group
-
     return init_weight_group(backend=backend, init_method=f"tcp://{host}:{port}", world_size=size, rank=0,
                                      group_name=name, timeout=timedelta(seconds=timeout_s))
 

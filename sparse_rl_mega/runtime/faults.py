@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from sparse_rl_mega.runtime.checkpoint_files import complete_checkpoints
+
 FAULT_ENV = "SPARSE_RL_MEGA_FAULT"
 LAUNCHER_PID_ENV = "SPARSE_RL_MEGA_LAUNCHER_PID"
 TRACKING_SERVER_PID_ENV = "SPARSE_RL_MEGA_TRACKING_SERVER_PID"
@@ -104,8 +106,6 @@ class FaultInjector:
         return (int(launcher), signal.SIGKILL) if self.rank == 0 and launcher else None
 
     def _corrupt_newest_checkpoint(self) -> None:
-        from sparse_rl_mega.learner.checkpoint import complete_checkpoints
-
         newest = complete_checkpoints(self.checkpoint_dir)
         if newest:
             shard = max(newest[-1].glob("*.distcp"), key=lambda f: f.stat().st_size)

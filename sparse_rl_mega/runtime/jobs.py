@@ -13,6 +13,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from sparse_rl_mega.runtime.checkpoint_files import MARKER, checkpoint_folder, complete_checkpoints
+
 LOCK_HELD_ENV = "SPARSE_RL_MEGA_LOCKED"  # set by a launcher that holds the job's folder locks
 # set by a tool that starts launches (sparse_rl_mega/cli/launches.py): the launcher stops as on SIGTERM when
 # that tool (or the server it forked the launch from) ends, however it ends
@@ -134,8 +136,6 @@ def earlier_run(cfg) -> Optional[str]:
     """What an earlier run left in this job's folders (its checkpoints, complete or partial; its
     per-iteration records), in a few words; None when they hold none. A run that is not resuming must
     not mix its checkpoints with another's: ``--resume`` would continue the newest of either."""
-    from sparse_rl_mega.learner.checkpoint import MARKER, checkpoint_folder, complete_checkpoints
-
     run_dir, folder = Path(cfg.trainer.run_dir), checkpoint_folder(cfg)
     saved = sorted(folder.glob("iter_*")) if folder.is_dir() else []
     records = [name for name in RUN_RECORDS if (run_dir / name).is_file()]
@@ -161,8 +161,6 @@ def clear_earlier_run(cfg) -> str:
     """Remove an earlier run's checkpoints and per-iteration records (``--overwrite``; the MLflow store
     keeps its runs); returns what was removed."""
     import shutil
-
-    from sparse_rl_mega.learner.checkpoint import checkpoint_folder
 
     what = earlier_run(cfg)
     folder = checkpoint_folder(cfg)

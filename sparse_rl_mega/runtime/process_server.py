@@ -22,6 +22,8 @@ import socket
 import sys
 from typing import Callable, Optional
 
+from sparse_rl_mega.runtime.jobs import die_with_parent
+
 
 def threads_running() -> int:
     """Threads of this process, as the kernel counts them (not only Python's); 0 where it cannot tell."""
@@ -97,8 +99,6 @@ def _serve(listener_fd: int, alive_r: int, setup: Optional[Callable[[], None]]) 
     """The forked server: only the descriptors multiprocessing's server would have (not this process's
     sockets, lock files or pipes), SIGKILL asked for when the process that forked it ends, ``setup``,
     then multiprocessing's server loop, which returns when every client has gone."""
-    from sparse_rl_mega.runtime.jobs import die_with_parent
-
     keep = {0, 1, 2, listener_fd, alive_r}
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
         if fd not in keep:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from sparse_rl_mega.runtime.jobs import print_error
+
 EXIT_STATUS = 86  # a rank's exit status when its watchdog stopped the job (tools/launch.py names it)
 HEARTBEAT_S = 1.0  # how often a rank publishes its record, and a monitor reads them all
 NOT_RUNNING_S = 5.0  # a heartbeat unchanged this long: the process does not run (for the blame only)
@@ -248,8 +250,6 @@ def fired_since(run_dir: str, since: float) -> bool:
 
 
 def _print_error(line: str) -> None:
-    from sparse_rl_mega.runtime.jobs import print_error
-
     print_error(line)
 
 

@@ -11,6 +11,8 @@ import time
 from typing import Callable, Optional, Sequence
 
 from sparse_rl_mega.config.evaluation import AUTO, needs_request_override, parse_kv_variants
+from sparse_rl_mega.data.formatting import encode_prompt
+from sparse_rl_mega.data.jsonl import PromptDataset
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -18,7 +20,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
 
 
 def mean_stderr(values: Sequence[float]) -> float:
@@ -83,9 +84,6 @@ class Evaluator:
     def __init__(self, cfg, tokenizer, scorer, log: Callable[[str], None] = print):
         """``cfg``: the run's config (its ``eval`` section says what to evaluate); ``scorer``: the
         rollout's reward scorer, which judges the answers."""
-        from sparse_rl_mega.data.formatting import encode_prompt
-        from sparse_rl_mega.data.jsonl import PromptDataset
-
         self.cfg, self.scorer, self.log = cfg, scorer, log
         e = cfg.eval
         records = PromptDataset(e.path).records

@@ -26,7 +26,10 @@ import os
 import sys
 from typing import Optional
 
+from sparse_rl_mega.rollout.engine_processes import import_cpu_engine_modules
+from sparse_rl_mega.rollout.placement import hosts_an_engine
 from sparse_rl_mega.runtime import process_server
+from sparse_rl_mega.runtime.ports import free_port
 
 # what a rank imports beyond tools/launch.py: the trainer and, as they are first used, the learner
 # (Megatron-Core), its checkpoints, the engine fleet and MLflow (not its SQL store: it loads pyarrow,
@@ -48,8 +51,6 @@ def start_rank_server(modules=RANK_MODULES, engine_modules: bool = False) -> boo
     if torch.cuda.is_available() or not process_server.can_fork_server():
         return False
     if engine_modules:
-        from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
-
         import_cpu_engine_modules()
     for name in modules:
         importlib.import_module(name)
@@ -62,8 +63,6 @@ def start_rank_server(modules=RANK_MODULES, engine_modules: bool = False) -> boo
 
 def start_job_rank_server(cfg) -> bool:
     """:func:`start_rank_server` for the ranks of a single-node job ``cfg`` (``tools/launch.py``)."""
-    from sparse_rl_mega.rollout.placement import hosts_an_engine
-
     if cfg.parallel.nnodes != 1:
         return False
     hosts = any(hosts_an_engine(cfg, rank) for rank in range(cfg.parallel.nproc_per_node))
@@ -93,8 +92,6 @@ def run_on_this_node(nproc: int, script: str, script_args: list[str], forked: bo
     """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on this node (a static rendezvous on loopback, a
     free port) through :func:`run_agent`; raises torchrun's ``ChildFailedError`` when a rank fails."""
     from torch.distributed.run import get_args_parser
-
-    from sparse_rl_mega.runtime.ports import free_port
 
     command = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                script, *script_args]

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.algo.correction import LOG_RHO_QUANTILES
+from sparse_rl_mega.algo.correction import LOG_RHO_QUANTILES, compute_correction
+
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _REDUCE = {MEAN: lambda values: sum(values) / len(values), SUM: sum, MAX: max, MIN: min}
@@ -74,8 +75,6 @@ def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, g
     """The mismatch and rejection figures of the rows trained at ``iteration`` with each staleness
     0..``max_staleness`` (learner version - the version that sampled the row) present in the global
     batch (``part``: this DP rank's rows of it), e.g. ``mismatch/k3_staleness1``."""
-    from sparse_rl_mega.algo.correction import compute_correction
-
     staleness = iteration - part.weight_versions
     out: dict[str, float] = {}
     for s in range(max_staleness + 1):

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import yaml
 
 from sparse_rl_mega.config import RunConfig
+from sparse_rl_mega.runtime.cache import cache_dir
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -49,8 +50,6 @@ def default_tracking_uri(run_dir: str | Path) -> str:
 
 
 def _template_path(mlflow_version: str) -> Path:
-    from sparse_rl_mega.runtime.cache import cache_dir
-
     return cache_dir() / f"mlflow-{mlflow_version}-empty.db"
 
 

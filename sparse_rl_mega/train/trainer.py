@@ -23,9 +23,35 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from sparse_rl_mega.runtime import watchdog
+from sparse_rl_mega.algo.advantages import grpo_advantages
+from sparse_rl_mega.algo.correction import compute_correction
 from sparse_rl_mega.config import RunConfig
-from sparse_rl_mega.runtime.jobs import JobWideError
+from sparse_rl_mega.data.formatting import encode_prompt
+from sparse_rl_mega.data.jsonl import load_prompt_dataset
+from sparse_rl_mega.learner.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
+from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng
+from sparse_rl_mega.learner.model import build_learner, build_reference_model
+from sparse_rl_mega.learner.step import forward_logprobs, train_step
+from sparse_rl_mega.learner.weights import load_hf_into_learner, load_hf_into_model
+from sparse_rl_mega.models.tiny import build_tiny_model
+from sparse_rl_mega.reward import build_scorer
+from sparse_rl_mega.rollout.engine_args import engine_kv_settings
+from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
+from sparse_rl_mega.rollout.fleet import EngineFleet
+from sparse_rl_mega.rollout.pipeline import RolloutPipeline
+from sparse_rl_mega.rollout.placement import hosts_an_engine
+from sparse_rl_mega.rollout.supervisor import EngineStart
+from sparse_rl_mega.runtime import watchdog
+from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, config_digest
+from sparse_rl_mega.runtime.faults import FaultInjector
+from sparse_rl_mega.runtime.jobs import (JobWideError, held_by_launcher, lock_job_folders, lost_a_peer, print_error,
+                                         report_failure)
+from sparse_rl_mega.train.evaluation import Evaluator
+from sparse_rl_mega.train.forked_ranks import forked_rank
+from sparse_rl_mega.train.schedule import Schedule
+from sparse_rl_mega.train.step_metrics import (advantage_metrics, dense_mismatch_warning, dense_sampler_k3, merge_steps,
+                                               metrics_by_staleness)
+from sparse_rl_mega.train.tracking import Tracker
 
 
 def log(message: str) -> None:
@@ -85,8 +111,6 @@ def ensure_model(cfg: RunConfig) -> None:
         return
     if cfg.model.create_tiny is None:
         raise FileNotFoundError(f"model.path {cfg.model.path}: no HF model folder (config.json) there")
-    from sparse_rl_mega.models.tiny import build_tiny_model
-
     build_tiny_model(cfg.model.path, cfg.model.arch, cfg.model.create_tiny, cfg.data.train_path,
                      cfg.data.prompt_key, cfg.data.label_key, log=log)
 
@@ -114,8 +138,6 @@ class Trainer:
         self.tokenizer = None  # engine hosts
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.clock = PhaseClock(launched_at)
-        from sparse_rl_mega.runtime.faults import FaultInjector
-
         self.faults = FaultInjector(self.rank, cfg.trainer.run_dir, self._engine0_scheduler, cfg.checkpoint.dir)
 
     def _engine0_scheduler(self) -> Optional[int]:
@@ -137,11 +159,6 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from megatron.core import parallel_state as ps
-
-        from sparse_rl_mega.data.jsonl import load_prompt_dataset
-        from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
-        from sparse_rl_mega.learner.model import build_learner
-        from sparse_rl_mega.learner.weights import load_hf_into_learner, load_hf_into_model
 
         cfg = self.cfg
         p = cfg.parallel
@@ -169,8 +186,6 @@ class Trainer:
         self.learner = build_learner(cfg)
         load_hf_into_learner(self.learner, cfg.model.path, cfg.model.arch)
         if cfg.algorithm.kl_coef > 0:  # frozen reference policy = the initial weights
-            from sparse_rl_mega.learner.model import build_reference_model
-
             self.ref_model = build_reference_model(cfg)
             load_hf_into_model(self.ref_model, cfg.model.path, cfg.model.arch)
         self.clock.mark("learner")
@@ -183,8 +198,6 @@ class Trainer:
             self.begin_engine_start(background=False)
 
         if self.rank == 0:
-            from sparse_rl_mega.train.tracking import Tracker
-
             resume_run = (self.resumed_from or {}).get("mlflow_run_id")
             self.tracker = Tracker(cfg, resume_run_id=resume_run, log=log)
             if self.tracker.enabled:
@@ -193,9 +206,6 @@ class Trainer:
         self.clock.mark("MLflow")
         self.finish_engine_start()
         self.clock.mark("waiting for the engine")
-        from sparse_rl_mega.rollout.pipeline import RolloutPipeline
-        from sparse_rl_mega.train.schedule import Schedule
-
         self.schedule = Schedule.from_config(cfg, engines_release_memory=self.fleet.release_memory)
         self.rollouts = RolloutPipeline(cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, log)
         dist.barrier()
@@ -209,15 +219,11 @@ class Trainer:
             self.clock.mark("weights to the engine")
         engine = "" if self.engine_seconds is None else f"; engine up in {self.engine_seconds:.1f} s" + (
             f" ({self.engine.started})" if self.engine is not None else "")
-        from sparse_rl_mega.train.forked_ranks import forked_rank
-
         ranks = " (ranks forked from the launcher)" if forked_rank() else ""
         log(f"[setup] ready {self.clock.line()} after launch{ranks}{engine}")
 
     def longest_prompt_tokens(self) -> int:
         """Tokens of the longest training or held-out prompt: bounds H2O's side buffer on a GPU engine."""
-        from sparse_rl_mega.data.formatting import encode_prompt
-
         held_out = self.evaluator.prompts if self.evaluator is not None else []
         prompts = [r.prompt for r in self.dataset.records] + held_out
         return max(len(p) if isinstance(p, list) else len(encode_prompt(self.tokenizer, p)) for p in prompts)
@@ -226,17 +232,11 @@ class Trainer:
         """Every engine host starts its reward scorer and, on a background thread, its engine
         (sparse_rl_mega/rollout/placement.py); :meth:`finish_engine_start` waits for it. ``background``:
         the learner is built meanwhile (only said in the log)."""
-        from sparse_rl_mega.rollout.fleet import EngineFleet
-
         cfg, r = self.cfg, self.cfg.rollout
         self.fleet = EngineFleet(cfg, self.rank, self.faults, log)
         on_gpu = torch.cuda.is_available()
         if self.placement is not None:
             from transformers import AutoTokenizer
-
-            from sparse_rl_mega.train.evaluation import Evaluator
-            from sparse_rl_mega.reward import build_scorer
-            from sparse_rl_mega.rollout.engine import EngineStart, engine_kv_settings
 
             self.scorer = build_scorer(cfg.reward)  # math workers warm up while the engine starts
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -265,21 +265,15 @@ class Trainer:
     def finish_engine_start(self) -> None:
         """Wait for this host's engine (and form the weight broadcast group); rank 0 gives the sequence
         that checks a restarted engine's weights: the first training prompt."""
-        from sparse_rl_mega.data.formatting import encode_prompt
-
         check_ids = encode_prompt(self.tokenizer, self.dataset.records[0].prompt) if self.rank == 0 else None
         self.engine_seconds = self.fleet.ready(self.learner, check_ids)
 
     def checkpoint_dir(self) -> Path:
-        from sparse_rl_mega.learner.checkpoint import checkpoint_folder
-
         return checkpoint_folder(self.cfg)
 
     def maybe_resume(self) -> None:
         """Load model, optimizer and RNG from ``checkpoint.resume`` (any TP/PP layout): the newest
         checkpoint that verifies (learner/checkpoint.py)."""
-        from sparse_rl_mega.learner.checkpoint import choose_resume_checkpoint, config_changes, load_checkpoint
-
         spec = self.cfg.checkpoint.resume
         if spec is None:
             return
@@ -371,9 +365,6 @@ class Trainer:
         """GRPO advantages of the batch (unless taken per step, after rejection), this DP rank's rows
         of it and their old (and reference) logprobs. Returns those rows (a RolloutBatch of
         ``optimizer_steps_per_iteration * global_batch_size / DP`` rows) and the iteration's metrics so far."""
-        from sparse_rl_mega.algo.advantages import grpo_advantages
-        from sparse_rl_mega.learner.step import forward_logprobs
-
         cfg, algo, mbs = self.cfg, self.cfg.algorithm, self.cfg.trainer.micro_batch_size
         batch, metrics = sampled.batch, dict(sampled.metrics)
         self.faults.at("train", iteration)
@@ -395,12 +386,6 @@ class Trainer:
         """The optimizer steps on this rank's rows (``local``), each correcting its own global batch:
         batch normalisation and the loss normaliser span exactly the rows of that step on every DP
         rank. Returns the steps' metrics merged by their declared reductions (step_metrics.py)."""
-        from sparse_rl_mega.algo.advantages import grpo_advantages
-        from sparse_rl_mega.algo.correction import compute_correction
-        from sparse_rl_mega.learner.step import train_step
-        from sparse_rl_mega.train.step_metrics import (advantage_metrics, dense_sampler_k3, merge_steps,
-                                                 metrics_by_staleness)
-
         cfg, algo, correction = self.cfg, self.cfg.algorithm, self.cfg.algorithm.correction
         share = cfg.trainer.global_batch_size // self.dp_size
         per_step: list[dict[str, float]] = []
@@ -443,8 +428,6 @@ class Trainer:
     def checkpoint(self, iteration: int, timer: PhaseTimer, metrics: dict[str, float]) -> str:
         """Save the learner (and the batch ahead) after ``iteration``; adds ``time/checkpoint_digest_s``
         to ``metrics``; returns the console's line about it."""
-        from sparse_rl_mega.learner.checkpoint import config_digest, save_checkpoint
-
         cfg, trained = self.cfg, iteration + 1
         self.faults.at("checkpoint", iteration)
         with timer.phase("checkpoint"):
@@ -485,8 +468,6 @@ class Trainer:
 
     def warn_dense_mismatch(self, iteration: int, metrics: dict[str, float]) -> None:
         """Rank 0, once per run: the warning of :func:`step_metrics.dense_mismatch_warning`, if any."""
-        from sparse_rl_mega.train.step_metrics import dense_mismatch_warning
-
         if not self.warned_dense_mismatch:
             warning = dense_mismatch_warning(iteration, metrics, self.cfg.model.dtype, self.cfg.rollout)
             if warning is not None:
@@ -594,10 +575,6 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
 
     from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: Megatron's loads too)
 
-    from sparse_rl_mega.runtime.jobs import held_by_launcher, lock_job_folders, lost_a_peer, print_error, report_failure
-    from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
-    from sparse_rl_mega.rollout.placement import hosts_an_engine
-
     rank = int(os.environ.get("RANK", "0"))
     try:
         # started by torchrun itself (multi-node): rank 0 locks the job's folders; the launcher did otherwise
@@ -618,8 +595,6 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     r = cfg.rollout
     timeout = timedelta(seconds=max(1800.0, r.startup_timeout_s + 2 * r.engine_timeout_s + 300.0))
     if on_cpu and hosts_an_engine(cfg, rank):  # while this process runs one thread (rollout/forkserver.py)
-        from sparse_rl_mega.rollout.engine import preload_cpu_engines
-
         preload_cpu_engines()
     dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
     watchdog.start(cfg, rank, dist.get_world_size())

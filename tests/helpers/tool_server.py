@@ -54,7 +54,7 @@ def _preload() -> None:
     sys.path.insert(0, str(ROOT))
     from sparse_rl_mega.runtime import process_server
     from sparse_rl_mega.train.forked_ranks import RANK_MODULES
-    from sparse_rl_mega.rollout.engine import import_cpu_engine_modules
+    from sparse_rl_mega.rollout.engine_processes import import_cpu_engine_modules
 
     import_cpu_engine_modules()
     for name in (*RANK_MODULES, *PRELOAD):

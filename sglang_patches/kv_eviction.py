@@ -44,9 +44,10 @@ from typing import Callable, Optional
 import torch
 
 from sglang_patches import admission
+from sparse_rl_mega.kv import EvictionPolicy, build_policy, should_compress
+from sparse_rl_mega.kv.attention_mass import window_attention_mass
 from sparse_rl_mega.kv.engine_settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
                                                ring_layers, scoring_bytes_per_request, scoring_chunk)
-from sparse_rl_mega.kv.policies import EvictionPolicy, build_policy, should_compress, window_attention_mass
 from sparse_rl_mega.rollout import sglang_internals as sglang
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")

@@ -138,7 +138,7 @@ def test_a_policy_of_another_package_is_configured_planned_and_checked(tmp_path)
     YAML with its own parameter, shown by --plan (--dry-run's layout + memory), where its capabilities
     come from its class: it records no decode queries, so no side buffers and CUDA graphs stay on. Its
     own check of its parameter names the config key."""
-    from sparse_rl_mega.kv.policies import policy_class
+    from sparse_rl_mega.kv.registry import policy_class
 
     assert policy_class("keynorm").__module__ == "keynorm_policy"  # the entry point, not a register call
     kv = {"policy": "keynorm", "budget": 12, "sink": 2, "window": 4, "interval": 2, "params": {"power": 1}}

@@ -14,7 +14,7 @@ CPU_TINY = ROOT / "examples" / "cpu_tiny.yaml"
 @pytest.mark.parametrize("seconds, text", [(0.4, "0 s"), (59.4, "59 s"), (59.6, "1m 00s"), (185, "3m 05s"),
                                            (3599, "59m 59s"), (7380, "2h 03m")])
 def test_durations_read_as_a_person_would_say_them(seconds, text):
-    from sparse_rl_mega.train.trainer import duration
+    from sparse_rl_mega.train.console import duration
 
     assert duration(seconds) == text
 

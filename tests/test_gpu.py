@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sparse_rl_mega.kv import build_policy
-from sparse_rl_mega.kv.policies import window_attention_mass
+from sparse_rl_mega.kv.attention_mass import window_attention_mass
 from tests.conftest import ROOT, run_torchrun
 from tests.helpers.engine_push import DirectPush
 

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 from float_bounds import U32, gamma, logit_mass, softmax_error  # noqa: E402
 
 from sparse_rl_mega.kv import POLICIES, build_policy, should_compress
-from sparse_rl_mega.kv.policies import decode_attention_mass, key_redundancy, window_attention_mass
+from sparse_rl_mega.kv.attention_mass import decode_attention_mass, window_attention_mass
+from sparse_rl_mega.kv.scoring import key_redundancy
 
 KV_HEADS, Q_HEADS, LENGTH, WINDOW, DIM = 2, 4, 23, 4, 8
 
@@ -33,7 +34,7 @@ def _tensors(seed=0):
 # sglang-kvc/python/sglang/compress/r1kv_utils.py: compute_attention_scores, cal_similarity,
 # KVCluster.get_compress_indices with attn_pooling="max", pooling="maxpool", mix_alpha=0.1 as built
 # in srt/managers/tp_worker.py; R-KV's rkv/utils.py and rkv/compression/r1_kv.py, snapkv.py), one
-# head, one query and one key at a time. It shares no code with sparse_rl_mega.kv.policies.
+# head, one query and one key at a time. It shares no code with sparse_rl_mega.kv (base.py, scoring.py, the policies).
 
 
 def _softmax(values):
@@ -368,7 +369,9 @@ def test_newline_tokens_come_from_the_tokenizer(tiny_model_dir):
 def test_the_registry_refuses_what_would_break_a_config():
     """Names a config can write (an identifier, not 'none'), classes that are policies, one class per
     name; a policy's parameters are its own fields, of their declared types."""
-    from sparse_rl_mega.kv.policies import PolicyError, RKVPolicy, register_policy, resolve_params
+    from sparse_rl_mega.kv.base import PolicyError
+    from sparse_rl_mega.kv.rkv import RKVPolicy
+    from sparse_rl_mega.kv.registry import register_policy, resolve_params
 
     with pytest.raises(ValueError, match="expected an identifier other than 'none'"):
         register_policy("none", RKVPolicy)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from sparse_rl_mega.kv.policies import policy_class, policy_names  # noqa: E402 (after the path)
+from sparse_rl_mega.kv.registry import policy_class, policy_names  # noqa: E402 (after the path)
 
 DEFAULT_MODEL = ROOT / "runs" / "assets" / "tiny-llama-sums"
 

@@ -66,7 +66,8 @@ def bench(args: argparse.Namespace) -> None:
     from sparse_rl_mega.learner.weights import stream_hf_tensors
     from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
     from sparse_rl_mega.rollout.placement import hosts_an_engine
-    from sparse_rl_mega.train.trainer import PhaseTimer, Trainer
+    from sparse_rl_mega.train.console import PhaseTimer
+    from sparse_rl_mega.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides + ["tracking.enabled=false", "checkpoint.resume=null"])
     on_cpu = apply_if_cpu()

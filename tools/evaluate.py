@@ -78,7 +78,7 @@ def policy_param_flags() -> dict[str, dict]:
     import dataclasses
     import typing
 
-    from sparse_rl_mega.kv.policies import policy_class, policy_names
+    from sparse_rl_mega.kv.registry import policy_class, policy_names
 
     flags: dict[str, dict] = {}
     takers: dict[str, list[str]] = {}
@@ -218,7 +218,7 @@ def parse_kv(spec: str, base=None, derived=()) -> list[tuple[str, dict]]:
 
 def kv_fix(refusal: Exception, setting: dict) -> str:
     """What to change in a KV ``setting`` (a request's fields) that the engine refused."""
-    if getattr(refusal, "key", None) == "budget":  # (kv.policies.PolicyError: the budget rule)
+    if getattr(refusal, "key", None) == "budget":  # (kv.base.PolicyError: the budget rule)
         return (f" (sink {setting['sink']}, window {setting['window']}): use a larger budget or a smaller "
                 "--sink / --window")
     return ": fix that KV flag (or its --config field)"

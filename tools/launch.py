@@ -102,7 +102,7 @@ def describe_layout(cfg: RunConfig) -> str:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     from sparse_rl_mega.cli.planner import engine_settings
     from sparse_rl_mega.kv.engine_settings import cuda_graphs_allowed
-    from sparse_rl_mega.kv.policies import policy_class
+    from sparse_rl_mega.kv.registry import policy_class
 
     position_only = kv.policy == "none" or policy_class(kv.policy).position_only
     selection = "" if position_only else (
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
                   "(see docs/cluster.md)", file=sys.stderr)
             return 2
         return run_job(cfg, args)
-    from sparse_rl_mega.train.trainer import run_training
+    from sparse_rl_mega.train.entry import run_training
 
     run_training(cfg, float(os.environ.get(LAUNCHED_AT_ENV, LAUNCHED_AT)))
     return 0

@@ -6,7 +6,8 @@ from typing import Optional
 
 from sparse_rl_mega.config.errors import ConfigError, require
 from sparse_rl_mega.config.run import RunConfig
-from sparse_rl_mega.kv.policies import PolicyError, policy_names
+from sparse_rl_mega.kv.base import PolicyError
+from sparse_rl_mega.kv.registry import policy_names
 
 
 def request_kv(kv, policy: str, budget: int) -> dict:

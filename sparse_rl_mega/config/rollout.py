@@ -8,8 +8,9 @@ from typing import Literal, Optional
 
 from sparse_rl_mega.config.algorithm import LOG_RHO_QUANTILES
 from sparse_rl_mega.config.errors import ConfigError, require
+from sparse_rl_mega.kv.base import PolicyError
 from sparse_rl_mega.kv.engine_settings import EngineKVSettings, tp_split_problem
-from sparse_rl_mega.kv.policies import NO_POLICY, PolicyError, build_policy, policy_class, policy_names, resolve_params
+from sparse_rl_mega.kv.registry import NO_POLICY, build_policy, policy_class, policy_names, resolve_params
 
 
 @dataclass
@@ -44,7 +45,7 @@ class KVCompressionConfig:
 
     Once a request's KV length reaches ``budget + interval`` it is compressed back to ``budget``
     tokens: ``sink`` first tokens + the policy's choice among the older tokens + the ``window`` most
-    recent. ``policy`` names a registered policy (``sparse_rl_mega/kv/policies.py``: ``streaming``,
+    recent. ``policy`` names a registered policy (``sparse_rl_mega/kv/registry.py``: ``streaming``,
     ``snapkv``, ``rkv``, ``h2o``, or a package's through an entry point) and ``params`` its own
     parameters (e.g. ``rkv``: ``{kernel: 7, lam: 0.1}``; the policy class lists them and checks them).
     The paper's runs: ``rkv``, ``sink: 0``, ``selection: shared``."""

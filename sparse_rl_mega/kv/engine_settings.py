@@ -6,7 +6,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from sparse_rl_mega.kv.policies import NO_POLICY, EvictionPolicy, policy_class
+from sparse_rl_mega.kv.base import EvictionPolicy
+from sparse_rl_mega.kv.registry import NO_POLICY, policy_class
 
 ENV_VAR = "SPARSE_RL_MEGA_KV"
 # a request may carry its own settings in sampling_params["custom_params"][REQUEST_KEY] (a dict of the
@@ -22,7 +23,7 @@ class EngineKVSettings:
     sink: int = 4
     window: int = 8
     interval: int = 128
-    selection: str = "per_layer"  # per_layer | per_head | shared (sparse_rl_mega.kv.policies)
+    selection: str = "per_layer"  # per_layer | per_head | shared (sparse_rl_mega.kv.base)
     shared_scores: str = "first_layer"  # shared selection: first_layer | layer_sum
     params: dict = field(default_factory=dict)  # the policy's own parameters (its class's fields: kernel, lam, ...)
     # newline trigger: also compress when past the budget and the token about to be decoded is one of these

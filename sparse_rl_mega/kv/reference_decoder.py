@@ -21,7 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, decode_attention_mass, should_compress
+from sparse_rl_mega.kv.attention_mass import decode_attention_mass
+from sparse_rl_mega.kv.base import EvictionPolicy
+from sparse_rl_mega.kv.replay import should_compress
 
 
 class ReferenceDecoder:

@@ -11,7 +11,7 @@ import torch
 from sparse_rl_mega.config.hf import hf_shape
 from sparse_rl_mega.kv.engine_settings import (DEFAULT_RUNNING_REQUESTS, EngineKVSettings, cuda_graphs_allowed,
                                                records_queries, side_buffer_bytes, tp_split_problem)
-from sparse_rl_mega.kv.policies import build_policy
+from sparse_rl_mega.kv.registry import build_policy
 from sparse_rl_mega.rollout.engine_processes import cpu_core_groups
 
 

@@ -42,7 +42,8 @@ import torch.distributed as dist
 from sparse_rl_mega.batch import RolloutBatch, pack_samples
 from sparse_rl_mega.data.formatting import encode_prompt
 from sparse_rl_mega.kv.auto_budget import BudgetController
-from sparse_rl_mega.kv.policies import policy_class, replay_compression
+from sparse_rl_mega.kv.registry import policy_class
+from sparse_rl_mega.kv.replay import replay_compression
 from sparse_rl_mega.reward.scorer import ScorerStats
 from sparse_rl_mega.rollout.engine import EngineFailure, PendingGeneration, RolloutEngine
 from sparse_rl_mega.rollout.placement import prompt_shard
@@ -320,7 +321,7 @@ class RolloutPipeline:
         }
 
     def _per_sample_compression(self, engine: RolloutEngine, samples, budget: Optional[int]):
-        """What compression did to each sample (kv/policies.py CompressionReplay), replayed from its
+        """What compression did to each sample (kv/replay.py CompressionReplay), replayed from its
         lengths at ``budget`` (None: dense)."""
         kv = self.cfg.rollout.kv_compression
         if budget is None:  # dense: nothing evicted, every sample's KV whole

@@ -31,12 +31,10 @@ from sparse_rl_mega.rollout.placement import hosts_an_engine
 from sparse_rl_mega.runtime import process_server
 from sparse_rl_mega.runtime.ports import free_port
 
-# what a rank imports beyond tools/launch.py: the trainer and, as they are first used, the learner
-# (Megatron-Core), its checkpoints, the engine fleet and MLflow (not its SQL store: it loads pyarrow,
-# whose allocator starts a thread)
-RANK_MODULES = ("sparse_rl_mega.train.trainer", "sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step",
-                "sparse_rl_mega.learner.checkpoint", "sparse_rl_mega.learner.weights", "sparse_rl_mega.rollout.fleet",
-                "sparse_rl_mega.train.tracking")
+# what a rank imports beyond tools/launch.py: the entry point, and with it the trainer, the learner
+# (Megatron-Core as its functions first use it), its checkpoints, the engine fleet and the tracker (MLflow
+# itself as first used: not its SQL store, which loads pyarrow, whose allocator starts a thread)
+RANK_MODULES = ("sparse_rl_mega.train.entry",)
 # os.environ as the server was forked (the ranks inherit it): what differs in a rank is torchrun's
 _server_environment: Optional[dict[str, str]] = None
 

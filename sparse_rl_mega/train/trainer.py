@@ -13,10 +13,7 @@ trains on this one (sparse_rl_mega/rollout/pipeline.py); weights go to the engin
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -29,23 +26,21 @@ from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.data.formatting import encode_prompt
 from sparse_rl_mega.data.jsonl import load_prompt_dataset
 from sparse_rl_mega.learner.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
-from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng
+from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
 from sparse_rl_mega.learner.model import build_learner, build_reference_model
 from sparse_rl_mega.learner.step import forward_logprobs, train_step
 from sparse_rl_mega.learner.weights import load_hf_into_learner, load_hf_into_model
 from sparse_rl_mega.models.tiny import build_tiny_model
 from sparse_rl_mega.reward import build_scorer
 from sparse_rl_mega.rollout.engine_args import engine_kv_settings
-from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
 from sparse_rl_mega.rollout.fleet import EngineFleet
 from sparse_rl_mega.rollout.pipeline import RolloutPipeline
-from sparse_rl_mega.rollout.placement import hosts_an_engine
 from sparse_rl_mega.rollout.supervisor import EngineStart
 from sparse_rl_mega.runtime import watchdog
 from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, config_digest
 from sparse_rl_mega.runtime.faults import FaultInjector
-from sparse_rl_mega.runtime.jobs import (JobWideError, held_by_launcher, lock_job_folders, lost_a_peer, print_error,
-                                         report_failure)
+from sparse_rl_mega.runtime.jobs import JobWideError
+from sparse_rl_mega.train.console import PhaseClock, PhaseTimer, duration, log, progress_line
 from sparse_rl_mega.train.evaluation import Evaluator
 from sparse_rl_mega.train.forked_ranks import forked_rank
 from sparse_rl_mega.train.schedule import Schedule
@@ -53,56 +48,9 @@ from sparse_rl_mega.train.step_metrics import (advantage_metrics, dense_mismatch
                                                metrics_by_staleness)
 from sparse_rl_mega.train.tracking import Tracker
 
-
-def log(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
-class PhaseTimer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) wall times: the timeline
-
-    @contextmanager
-    def phase(self, name: str):
-        start, wall = time.perf_counter(), time.time()
-        watchdog.enter(name)
-        try:
-            yield
-        except BaseException:
-            watchdog.leave(name, completed=False)  # (a failed phase's time is no measure of the phase)
-            raise
-        watchdog.leave(name)
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-        self.spans.append((name, wall, time.time()))
-
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{name}_s": value for name, value in self.seconds.items()}
-
-
 ENGINE_CLOSE_WAIT_S = 60.0  # how long a failed set-up waits for a starting engine, to shut it down
+
 SHUTDOWN_SLACK_S = 60.0  # the rest of shutting down (reward workers, the last barrier), for the watchdog
-
-
-class PhaseClock:
-    """Wall seconds of consecutive named phases (where start-up or shut-down went), the first counted
-    from ``started_at`` (``time.time()``; for start-up the launcher's start); printed as one line."""
-
-    def __init__(self, started_at: Optional[float] = None) -> None:
-        self.started_at = self.last = started_at if started_at is not None else time.time()
-        self.phases: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        """The time since the previous mark was spent on ``name``."""
-        now = time.time()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
-        self.last = now
-        watchdog.beat()  # (a start-up step done)
-
-    def line(self) -> str:
-        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases.items() if seconds >= 0.05)
-        return f"{self.last - self.started_at:.1f} s" + (f" ({parts})" if parts else "")
 
 
 def ensure_model(cfg: RunConfig) -> None:
@@ -457,7 +405,7 @@ class Trainer:
         self.write_timeline(iteration, timer)
         done, left = iteration + 1 - self.start_iteration, total - iteration - 1
         eta = (time.perf_counter() - loop_started) / done * left
-        log(_progress_line(iteration, total, metrics) + (f" | ETA {duration(eta)}" if left else ""))
+        log(progress_line(iteration, total, metrics) + (f" | ETA {duration(eta)}" if left else ""))
         log(f"           example response: {example[:100]!r}" + (
             "  (\ufffd: bytes the model generated that form no UTF-8 character)" if "\ufffd" in example[:100] else ""))
         if budget_note is not None:
@@ -540,85 +488,3 @@ class Trainer:
 
 class NonFiniteTraining(JobWideError):
     """Too many optimizer steps in a row were skipped for a NaN/Inf loss or gradient norm."""
-
-
-def duration(seconds: float) -> str:
-    """``42 s``, ``3m 05s``, ``2h 03m``."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m {seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m"
-
-
-def _progress_line(iteration: int, total: int, m: dict[str, float]) -> str:
-    return (f"[iter {iteration + 1}/{total}] reward {m['reward/mean']:.3f} | loss {m['train/loss']:+.4f} | "
-            f"veto {m['correction/veto_fraction']:.3f} rej {m['correction/token_rejected_fraction']:.3f} "
-            f"(rho<1 {m['correction/token_rejected_low_fraction']:.3f}) | "
-            f"IS mean {m['correction/is_weight_mean']:.3f} max {m['correction/is_weight_max']:.2f} | "
-            f"k3 {m['mismatch/k3']:.4f} | "
-            + (f"budget {m['kv/budget']:.0f} " if "kv/budget" in m else "")
-            + f"evicted/sample {m['kv/evicted_tokens_per_sample']:.1f} "
-            f"peak KV {m['kv/peak_slots_in_use']:.0f} | sync diff {m.get('sync/max_abs_logprob_diff', float('nan')):.1e} | "
-            f"{m['time/iteration_s']:.1f} s"
-            + (f" (samples {m['rollout/staleness_mean']:.1f} versions old, learner waited {m['time/learner_wait_s']:.1f} s)"
-               if m.get("rollout/staleness_max") else ""))
-
-
-def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
-    """Entry point for one torchrun rank (``tools/launch.py`` calls it); ``launched_at``: when the
-    launcher started (``time.time()``), from which start-up is counted."""
-    from datetime import timedelta
-
-    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: Megatron's loads too)
-
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        # started by torchrun itself (multi-node): rank 0 locks the job's folders; the launcher did otherwise
-        locks = lock_job_folders(cfg) if rank == 0 and not held_by_launcher() else []
-    except Exception as exc:  # noqa: BLE001 (FolderLocked: one line)
-        print_error(f"[error] rank {rank}: {exc}")
-        raise SystemExit(1) from None
-    # Megatron's TP layers order their async gradient all-reduce after the matmul only with one CUDA
-    # work queue (it warns otherwise; Megatron-LM's scripts export it); the engine does not inherit it
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    on_cpu = apply_if_cpu()
-    torch.set_num_threads(cfg.trainer.torch_threads)
-    if not on_cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # on GPU: NCCL for device tensors, gloo for the CPU tensors of the host-side work (correction,
-    # metrics). A collective waits at most for an engine's restart
-    # (rollout.startup_timeout_s) after a failed call (rollout.engine_timeout_s) and a bit more.
-    r = cfg.rollout
-    timeout = timedelta(seconds=max(1800.0, r.startup_timeout_s + 2 * r.engine_timeout_s + 300.0))
-    if on_cpu and hosts_an_engine(cfg, rank):  # while this process runs one thread (rollout/forkserver.py)
-        preload_cpu_engines()
-    dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
-    watchdog.start(cfg, rank, dist.get_world_size())
-    trainer = Trainer(cfg, launched_at)
-    ok = job_wide = False
-    try:
-        trainer.setup()
-        trainer.run()
-        ok = True
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 (one line here, the traceback in the run folder)
-        line = report_failure(exc, cfg.trainer.run_dir, rank)
-        job_wide = isinstance(exc, JobWideError)
-        # a rank that only lost its peers adds nothing to their own line, nor to rank 0's of a job-wide one
-        if not lost_a_peer(exc) and not (job_wide and rank != 0):
-            print_error(line)
-    finally:
-        trainer.close(ok)
-        if dist.is_initialized():
-            if ok or job_wide:  # (job-wide: the others wait for rank 0's line before they end)
-                dist.barrier()
-            watchdog.stop()
-            dist.destroy_process_group()
-        for lock in locks:
-            lock.release()
-    sys.stdout.flush()
-    if not ok:
-        raise SystemExit(1)

@@ -6,7 +6,7 @@ folder on ``PYTHONPATH``, so every process of the test session (SGLang's schedul
 """
 from dataclasses import dataclass, field
 
-from sparse_rl_mega.kv.policies import EvictionPolicy, PolicyError
+from sparse_rl_mega.kv import EvictionPolicy, PolicyError
 
 
 @dataclass

@@ -4,7 +4,7 @@ entry point (see setup.py). It refuses any SGLang but the one it was written for
 module that touches SGLang's internals. Settings arrive in the ``SPARSE_RL_MEGA_KV`` environment
 variable; without it (or with ``policy: none``) the engine decodes exactly as stock SGLang and only
 reports pool usage (``kv_eviction``). On CPU, weight pushes keep their shared buffers mapped and cache
-flushes skip a full garbage collection (``weight_push``). With the ``pytorch`` sampling backend, a
+flushes skip a full garbage collection (``push_buffers``). With the ``pytorch`` sampling backend, a
 request's ``sampling_seed`` always decides its tokens (``sglang_internals.hook_sampling_seeds``).
 Weight-loading bars are drawn only over several shard files (``loading_bar``)."""
 import os
@@ -27,7 +27,7 @@ def _register() -> None:
     global _installed
     if _installed or os.environ.get("SPARSE_RL_MEGA_PLUGIN_OFF") == "1":
         return
-    from sglang_patches import loading_bar, weight_push
+    from sglang_patches import loading_bar, push_buffers
     from sglang_patches.kv_eviction import install
     from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout import sglang_internals
@@ -36,5 +36,5 @@ def _register() -> None:
     install(EngineKVSettings.from_env())
     sglang_internals.hook_sampling_seeds()
     loading_bar.install()
-    weight_push.install()
+    push_buffers.install()
     _installed = True

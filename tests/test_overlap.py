@@ -1,4 +1,4 @@
-"""Overlapped rollouts (``rollout.max_staleness``, sparse_rl_mega/rollout/pipeline.py) on the tiny model:
+"""Overlapped rollouts (``rollout.max_staleness``, sparse_rl_mega/rollout/overlap.py) on the tiny model:
 one learner rank and one separate engine, dense sampling (so that any gap between the sampler's
 ``logp_sparse`` and the learner's ``logp_old`` comes from staleness alone), 5 iterations.
 
@@ -133,12 +133,12 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
 @pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_push_schedule_bounds_staleness_by_k(k):
-    """The push rule (``Schedule.push``) over a long run: batch j starts at iteration j-1 with the
+    """The push rule (``Cadence.push``) over a long run: batch j starts at iteration j-1 with the
     weights the engines serve then and trains at iteration j; no batch may be more than K versions old,
     and the engines get weights only as often as that needs (every K-th iteration)."""
-    from sparse_rl_mega.train.schedule import Schedule
+    from sparse_rl_mega.train.cadence import Cadence
 
-    schedule = Schedule(iterations=30, max_staleness=k, engines_release_memory=False)
+    schedule = Cadence(iterations=30, max_staleness=k, engines_release_memory=False)
     served, started_with, pushes = 0, {0: 0}, []
     for iteration in range(30):
         started_with[iteration + 1] = served  # start_ahead after take: the engines' weights now
@@ -149,5 +149,5 @@ def test_push_schedule_bounds_staleness_by_k(k):
     assert max(staleness) == k and min(staleness) == 1
     assert pushes == list(range(k, 31, k))
     # colocated engines on GPUs hold no weights after training: a push after every iteration
-    colocated = Schedule(iterations=30, max_staleness=k, engines_release_memory=True)
+    colocated = Cadence(iterations=30, max_staleness=k, engines_release_memory=True)
     assert all(colocated.push(t, t - 1) for t in range(1, 30))

@@ -113,7 +113,7 @@ class RolloutConfig:
     startup_timeout_s: float = 1800.0  # an engine's start (a 70B engine loads for minutes)
     engine_timeout_s: float = 600.0
     max_engine_restarts: int = 3
-    # overlapped rollouts (sparse_rl_mega/rollout/pipeline.py): 0 = generate, then train, then push; K >= 1:
+    # overlapped rollouts (sparse_rl_mega/rollout/overlap.py): 0 = generate, then train, then push; K >= 1:
     # the engines generate the next iteration's samples while the learner trains, and no sample is trained
     # on with weights more than K versions (iterations) older than the learner's
     max_staleness: int = 0

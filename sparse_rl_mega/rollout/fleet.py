@@ -134,7 +134,7 @@ class EngineFleet:
         return self._push_plan().owners
 
     # ------------------------------------------------------------------ work on the engines
-    def sample(self, work: Callable[[RolloutEngine], T], version: int) -> Optional[T]:
+    def run_on_engines(self, work: Callable[[RolloutEngine], T], version: int) -> Optional[T]:
         """Hosts: ``work(engine)`` (their rollout shard), then a colocated GPU engine releases its memory
         for the learner's training. A failed engine is restarted with weights ``version`` and runs
         ``work`` again; the others keep their result. Returns this host's result (None elsewhere)."""

@@ -382,7 +382,7 @@ def hook_loading_bar(bar: Callable) -> None:
 
 
 def hook_cpu_weight_updates(keep_mapped: Callable[[torch.Tensor], None]) -> None:
-    """What a weight push needs inside a CPU scheduler (why: ``sglang_patches/weight_push.py``):
+    """What a weight push needs inside a CPU scheduler (why: ``sglang_patches/push_buffers.py``):
     ``keep_mapped(flat)`` sees every shared-memory flattened bucket before it is loaded; cache flushes
     skip SGLang's CPU ``empty_cache`` (a full ``gc.collect()``); the derived-weight-cache check is asked
     once per model instead of at every bucket."""

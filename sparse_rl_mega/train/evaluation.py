@@ -78,7 +78,7 @@ def evaluate_on_engine(engine, prompts_ids: Sequence[Sequence[int]], labels: Seq
 
 class Evaluator:
     """Rank 0 of a training run with an ``eval`` section: held-out accuracy of the weights the rollout
-    engine serves, before training and after the iterations the schedule (schedule.py) names. Keeps
+    engine serves, before training and after the iterations the cadence (cadence.py) names. Keeps
     every result (``<run_dir>/eval.json``) and prints a before/after table at the end."""
 
     def __init__(self, cfg, tokenizer, scorer, log: Callable[[str], None] = print):

@@ -6,9 +6,9 @@ One iteration, as its phases (:meth:`Trainer.run`):
   -> optimise (per step: correction (veto, token rejection, IS weights), the corrected PPO loss's step)
   -> push (engine weights from the learner shards) -> checkpoint -> evaluate (held-out accuracy on the
   engine, dense and sparse) -> report (metrics to MLflow and the console).
-Push, checkpoint and evaluate follow one schedule (sparse_rl_mega/train/schedule.py). With
+Push, checkpoint and evaluate follow one cadence (sparse_rl_mega/train/cadence.py). With
 ``rollout.max_staleness`` >= 1 the engines generate the next iteration's samples while the learner
-trains on this one (sparse_rl_mega/rollout/pipeline.py); weights go to the engines once they are idle.
+trains on this one (sparse_rl_mega/rollout/overlap.py); weights go to the engines once they are idle.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from sparse_rl_mega.models.tiny import build_tiny_model
 from sparse_rl_mega.reward import build_scorer
 from sparse_rl_mega.rollout.engine_args import engine_kv_settings
 from sparse_rl_mega.rollout.fleet import EngineFleet
-from sparse_rl_mega.rollout.pipeline import RolloutPipeline
+from sparse_rl_mega.rollout.overlap import OverlappedRollouts
 from sparse_rl_mega.rollout.supervisor import EngineStart
 from sparse_rl_mega.runtime import watchdog
 from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, config_digest
@@ -43,7 +43,7 @@ from sparse_rl_mega.runtime.jobs import JobWideError
 from sparse_rl_mega.train.console import PhaseClock, PhaseTimer, duration, log, progress_line
 from sparse_rl_mega.train.evaluation import Evaluator
 from sparse_rl_mega.train.forked_ranks import forked_rank
-from sparse_rl_mega.train.schedule import Schedule
+from sparse_rl_mega.train.cadence import Cadence
 from sparse_rl_mega.train.step_metrics import (advantage_metrics, dense_mismatch_warning, dense_sampler_k3, merge_steps,
                                                metrics_by_staleness)
 from sparse_rl_mega.train.tracking import Tracker
@@ -81,7 +81,7 @@ class Trainer:
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.engine_seconds: Optional[float] = None  # how long it took to come up
         self.rollouts = None  # the samples of each iteration, overlapped or not (rollout/pipeline.py)
-        self.schedule = None  # after which iterations to push, checkpoint and evaluate (schedule.py)
+        self.cadence = None  # after which iterations to push, checkpoint and evaluate (cadence.py)
         self.evaluator = None  # rank 0 with an eval section: held-out accuracy (evaluation.py)
         self.tokenizer = None  # engine hosts
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
@@ -154,8 +154,8 @@ class Trainer:
         self.clock.mark("MLflow")
         self.finish_engine_start()
         self.clock.mark("waiting for the engine")
-        self.schedule = Schedule.from_config(cfg, engines_release_memory=self.fleet.release_memory)
-        self.rollouts = RolloutPipeline(cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, log)
+        self.cadence = Cadence.from_config(cfg, engines_release_memory=self.fleet.release_memory)
+        self.rollouts = OverlappedRollouts(cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, log)
         dist.barrier()
         if self.resumed_from is not None:  # the engine loaded model.path: give it the checkpoint's weights
             self.fleet.push_weights(None, self.start_iteration)
@@ -271,9 +271,9 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         """The iterations, each as its phases: sample, prepare, optimise, then push, checkpoint and
-        evaluate after the iterations the schedule names (schedule.py), and report."""
-        cfg, schedule = self.cfg, self.schedule
-        if self.evaluator is not None and schedule.evaluate_before_training(self.start_iteration):
+        evaluate after the iterations the cadence names (cadence.py), and report."""
+        cfg, cadence = self.cfg, self.cadence
+        if self.evaluator is not None and cadence.evaluate_before_training(self.start_iteration):
             self.evaluate(0)
         loop_started = time.perf_counter()
         for iteration in range(self.start_iteration, cfg.trainer.iterations):
@@ -283,14 +283,14 @@ class Trainer:
             sampled = self.sample(iteration, timer)
             local, metrics = self.prepare(sampled, iteration, timer)
             metrics.update(self.optimise(local, iteration, timer))
-            budget_note = self.rollouts.adapt_budget(metrics, metrics.get("kv/budget", 0.0))
+            budget_note = self.rollouts.adapt_budget(metrics, sampled)
             trained = iteration + 1
-            if schedule.push(trained, self.fleet.version):
+            if cadence.push(trained, self.fleet.version):
                 metrics.update(self.push(sampled.batch, iteration, timer))
             saved_line = None
-            if schedule.checkpoint(trained):
+            if cadence.checkpoint(trained):
                 saved_line = self.checkpoint(iteration, timer, metrics)
-            if self.evaluator is not None and schedule.evaluate(trained):
+            if self.evaluator is not None and cadence.evaluate(trained):
                 with timer.phase("eval"):
                     self.evaluate(trained)
             metrics.update(timer.metrics())

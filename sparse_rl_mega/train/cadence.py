@@ -16,7 +16,7 @@ hold no weights after the learner trained (they hand it their memory): a push af
 from __future__ import annotations
 
 
-class Schedule:
+class Cadence:
     def __init__(self, iterations: int, max_staleness: int = 0, engines_release_memory: bool = False,
                  save_interval: int = 0, evaluating: bool = False, eval_interval: int = 0,
                  eval_before_training: bool = False):
@@ -32,7 +32,7 @@ class Schedule:
         self.eval_before_training = eval_before_training
 
     @classmethod
-    def from_config(cls, cfg, engines_release_memory: bool) -> "Schedule":
+    def from_config(cls, cfg, engines_release_memory: bool) -> "Cadence":
         return cls(iterations=cfg.trainer.iterations, max_staleness=cfg.rollout.max_staleness,
                    engines_release_memory=engines_release_memory, save_interval=cfg.checkpoint.save_interval,
                    evaluating=cfg.eval.path is not None, eval_interval=cfg.eval.interval,

@@ -8,7 +8,7 @@ iterations (the learner's own).
 i+1's prompts with the weights they serve and decode them in their own processes while the learner
 trains on iteration i. Weights go to idle engines only: a push first waits for the batch in flight,
 so every sample comes from one weight version (no partial rollouts). When the trainer pushes (often
-enough that no batch is more than K versions old when trained) is sparse_rl_mega/train/schedule.py's rule.
+enough that no batch is more than K versions old when trained) is sparse_rl_mega/train/cadence.py's rule.
 Colocated engines on GPUs hand their memory to the learner while it trains and hold no weights after
 that, so they generate the next batch before the learner trains and nothing overlaps there.
 
@@ -26,7 +26,7 @@ shard's samples then have staleness 0; see rollout/fleet.py).
 With an automatic KV budget (``rollout.kv_compression.auto_budget``, kv/auto_budget.py) each batch is
 sampled at the budget in force when it starts (the batch ahead: the one chosen before it started), the
 same on every engine and again when a failed engine samples its shard anew; the budget is then set from
-the mismatch of the iteration that trained on it (:meth:`RolloutPipeline.adapt_budget`).
+the mismatch of the iteration that trained on it (:meth:`OverlappedRollouts.adapt_budget`).
 
 Every method is a collective (all ranks call it) unless it says otherwise.
 """
@@ -71,18 +71,21 @@ class SampledBatch:
     batch: RolloutBatch
     metrics: dict[str, float]   # rollout/, reward/, kv/ and the engines' time/generate_s, time/rollout_tokens_per_s, time/engine_idle_s
     example: str                # the first response, for the console
+    kv_budget: Optional[int]    # the KV budget its requests kept (None: dense, or the engine's own setting)
 
     def state(self) -> dict:
         return {"iteration": self.iteration, "metrics": self.metrics, "example": self.example,
-                "batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}}
+                "kv_budget": self.kv_budget, "batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}}
 
     @classmethod
     def from_state(cls, state: dict) -> "SampledBatch":
-        return cls(iteration=state["iteration"], batch=RolloutBatch(**state["batch"]), metrics=state["metrics"],
-                   example=state["example"])
+        metrics = state["metrics"]
+        budget = state.get("kv_budget", int(metrics["kv/budget"]) if "kv/budget" in metrics else None)  # (older saves)
+        return cls(iteration=state["iteration"], batch=RolloutBatch(**state["batch"]), metrics=metrics,
+                   example=state["example"], kv_budget=budget)
 
 
-class RolloutPipeline:
+class OverlappedRollouts:
     def __init__(self, cfg, fleet, dataset, tokenizer=None, scorer=None, log=print):
         """``tokenizer`` and ``scorer``: engine hosts only (prompts are encoded and scored there)."""
         self.cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, self.log = \
@@ -107,7 +110,7 @@ class RolloutPipeline:
         get the staleness figures."""
         with timer.phase("learner_wait"):
             if self.ahead_iteration == iteration and self.ahead is None:
-                self.ahead = self.sample(iteration, iteration, timer)
+                self.ahead = self.generate(iteration, iteration, timer)
             sampled = self.ahead if self.ahead is not None and self.ahead.iteration == iteration else None
             self.ahead, self.ahead_iteration = None, None
             self.batch_budgets = {i: b for i, b in self.batch_budgets.items() if i > iteration}
@@ -121,7 +124,7 @@ class RolloutPipeline:
                              f"({dropped} samples), sampling again with the learner's weights")
                     sampled = None
             if sampled is None:
-                sampled = self.sample(iteration, iteration, timer)
+                sampled = self.generate(iteration, iteration, timer)
         staleness = (iteration - sampled.batch.weight_versions).double()
         sampled.metrics.update({"rollout/staleness_mean": float(staleness.mean()),
                                 "rollout/staleness_max": float(staleness.max()),
@@ -137,7 +140,7 @@ class RolloutPipeline:
         self.ahead_iteration = iteration
         if self.fleet.release_memory:
             with timer.phase("learner_wait"):
-                self.ahead = self.sample(iteration, iteration - 1, timer)
+                self.ahead = self.generate(iteration, iteration - 1, timer)
             return
         if self.fleet.placement is not None:
             try:
@@ -151,7 +154,7 @@ class RolloutPipeline:
         if self.ahead_iteration is None or self.ahead is not None:
             return
         with timer.phase("learner_wait"):
-            self.ahead = self.sample(self.ahead_iteration, learner_version, timer)
+            self.ahead = self.generate(self.ahead_iteration, learner_version, timer)
 
     def drain_timeline(self) -> list[tuple[int, int, float, float]]:
         """Rank 0: ``(iteration, engine, started, finished)`` of every batch gathered since the last call."""
@@ -159,14 +162,15 @@ class RolloutPipeline:
         return out
 
     # ------------------------------------------------------------------ the automatic budget
-    def adapt_budget(self, metrics: dict[str, float], sampled_at: float) -> Optional[str]:
-        """Set the budget of the batches started from now on from an iteration's merged ``metrics``
-        (its batch was sampled at budget ``sampled_at``); rank 0's decision is every rank's. Returns
+    def adapt_budget(self, metrics: dict[str, float], sampled: SampledBatch) -> Optional[str]:
+        """Set the budget of the batches started from now on from the mismatch an iteration measured (its
+        merged ``metrics``) on the batch it trained on (``sampled``, at the budget it was sampled at);
+        rank 0's decision is every rank's. Returns
         the console's note when the budget changed (None without an automatic budget)."""
         if self.budget_control is None:
             return None
         before = self.budget_control.budget
-        step = self.budget_control.update(metrics, int(sampled_at))
+        step = self.budget_control.update(metrics, sampled.kv_budget)
         decided = [step.budget]
         dist.broadcast_object_list(decided, src=0)  # (the same integers everywhere; one source regardless)
         self.budget_control.budget = decided[0]
@@ -203,7 +207,7 @@ class RolloutPipeline:
             self.ahead_iteration = self.ahead.iteration
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, iteration: int, learner_version: int, timer) -> SampledBatch:
+    def generate(self, iteration: int, learner_version: int, timer) -> SampledBatch:
         """Iteration ``iteration``'s batch: each engine host finishes its shard in flight or samples it
         now; an engine that fails is restarted with the learner's weights (``learner_version``) and
         samples its shard again. Every rank gets the whole batch in prompt order."""
@@ -214,7 +218,7 @@ class RolloutPipeline:
             if shard is None or shard.engine is not engine or shard.iteration != iteration:
                 shard = self._start_shard(engine, iteration)
             return self._finish_shard(shard, timer)
-        mine = self.fleet.sample(my_shard, learner_version)
+        mine = self.fleet.run_on_engines(my_shard, learner_version)
         shards: list = [None] * dist.get_world_size()
         dist.all_gather_object(shards, mine)
         shards = sorted((s for s in shards if s is not None), key=lambda s: s["first_prompt"])
@@ -267,7 +271,7 @@ class RolloutPipeline:
         }
         if dist.get_rank() == 0:
             self.generated += [(iteration, *g) for g in generated]
-        return SampledBatch(iteration, batch, metrics, samples[0].response_text)
+        return SampledBatch(iteration, batch, metrics, samples[0].response_text, shards[0]["budget"])
 
     def _start_shard(self, engine: RolloutEngine, iteration: int) -> InFlight:
         """Host: ``engine`` starts on its shard of iteration ``iteration``'s prompts."""

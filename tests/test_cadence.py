@@ -1,4 +1,4 @@
-"""The iteration's timing (sparse_rl_mega/train/schedule.py: pushes, checkpoints, evaluations from one rule)
+"""The iteration's timing (sparse_rl_mega/train/cadence.py: pushes, checkpoints, evaluations from one rule)
 and the merge of the optimizer steps' metrics by their declared reductions (sparse_rl_mega/train/step_metrics.py).
 The push rule's bound on staleness over a long run: tests/test_overlap.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparse_rl_mega.config import load_config
-from sparse_rl_mega.train.schedule import Schedule
+from sparse_rl_mega.train.cadence import Cadence
 from sparse_rl_mega.train.step_metrics import STEP_REDUCTIONS, merge_steps, reduction
 from tests.conftest import ROOT
 
@@ -15,32 +15,32 @@ pytestmark = pytest.mark.unit
 
 
 def test_checkpoints_and_evaluations_fall_on_their_intervals_and_the_last_iteration():
-    s = Schedule(iterations=10, save_interval=4, evaluating=True, eval_interval=3, eval_before_training=True)
+    s = Cadence(iterations=10, save_interval=4, evaluating=True, eval_interval=3, eval_before_training=True)
     assert [t for t in range(1, 11) if s.checkpoint(t)] == [4, 8]
     assert [t for t in range(1, 11) if s.evaluate(t)] == [3, 6, 9, 10]
     assert [t for t in range(1, 11) if s.last(t)] == [10]
     assert s.evaluate_before_training(0) and not s.evaluate_before_training(5)  # (not when resuming)
-    quiet = Schedule(iterations=10)  # no checkpoints, no held-out set
+    quiet = Cadence(iterations=10)  # no checkpoints, no held-out set
     assert not any(quiet.checkpoint(t) or quiet.evaluate(t) for t in range(1, 11))
     assert not quiet.evaluate_before_training(0)
-    assert [t for t in range(1, 11) if Schedule(10, evaluating=True).evaluate(t)] == [10]  # interval 0
+    assert [t for t in range(1, 11) if Cadence(10, evaluating=True).evaluate(t)] == [10]  # interval 0
 
 
 def test_engines_get_the_newest_weights_before_checkpoints_evaluations_and_the_end():
     # K = 3 alone pushes after iterations 3, 6, 9 (engines serving the weights pushed last)
-    s = Schedule(iterations=10, max_staleness=3, save_interval=4, evaluating=True, eval_interval=5)
+    s = Cadence(iterations=10, max_staleness=3, save_interval=4, evaluating=True, eval_interval=5)
     served, pushes = 0, []
     for trained in range(1, 11):
         if s.push(trained, served):
             served = trained
             pushes.append(trained)
     assert pushes == [3, 4, 5, 8, 10]  # 3 (staleness), 4 (checkpoint), 5 (evaluation), 8 (both), 10 (last)
-    assert all(Schedule(iterations=10).push(t, t - 1) for t in range(1, 11))  # K = 0: after every iteration
+    assert all(Cadence(iterations=10).push(t, t - 1) for t in range(1, 11))  # K = 0: after every iteration
 
 
-def test_schedule_reads_the_config():
+def test_cadence_reads_the_config():
     cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml", ["trainer.iterations=10", "checkpoint.save_interval=5"])
-    s = Schedule.from_config(cfg, engines_release_memory=False)
+    s = Cadence.from_config(cfg, engines_release_memory=False)
     assert (s.iterations, s.max_staleness, s.save_interval, s.evaluating) == (10, cfg.rollout.max_staleness, 5,
                                                                               cfg.eval.path is not None)
     assert [t for t in range(1, 11) if s.checkpoint(t)] == [5, 10]

@@ -1,6 +1,6 @@
 """Pre-flight: the inputs a run reads, checked before any process starts.
 
-:func:`validate` (config.py) checks the config itself; this checks it against the files it names:
+:func:`validate` (config/validation.py) checks the config itself; this checks it against the files it names:
 
 * the data files (``data.train_path``, ``eval.path``): they exist, are UTF-8 jsonl, every row is valid
   and no prompt is blank (file and line named);

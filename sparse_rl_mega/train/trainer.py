@@ -80,7 +80,7 @@ class Trainer:
         self.start_iteration = 0
         self.resumed_from: Optional[dict] = None  # the checkpoint marker when resuming
         self.engine_seconds: Optional[float] = None  # how long it took to come up
-        self.rollouts = None  # the samples of each iteration, overlapped or not (rollout/pipeline.py)
+        self.rollouts = None  # the samples of each iteration, overlapped or not (rollout/overlap.py)
         self.cadence = None  # after which iterations to push, checkpoint and evaluate (cadence.py)
         self.evaluator = None  # rank 0 with an eval section: held-out accuracy (evaluation.py)
         self.tokenizer = None  # engine hosts
@@ -301,7 +301,7 @@ class Trainer:
         self.report_end(loop_started)
 
     def sample(self, iteration: int, timer: PhaseTimer):
-        """The batch iteration ``iteration`` trains on (a rollout/pipeline.py SampledBatch: every rank
+        """The batch iteration ``iteration`` trains on (a rollout/overlap.py SampledBatch: every rank
         holds all of it); with ``rollout.max_staleness`` >= 1 the engines then start on the next one."""
         self.faults.at("rollout", iteration)
         sampled = self.rollouts.take(iteration, timer)

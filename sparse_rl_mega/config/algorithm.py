@@ -90,23 +90,23 @@ def validate_correction(c: CorrectionConfig, source: str) -> None:
     if c.is_level != "none":
         if c.is_mode == "truncate":
             require(c.is_high is not None and c.is_high >= 1.0, source, f"{key}.is_high",
-                     f"truncation needs an upper bound >= 1, got {c.is_high}")
+                    f"truncation needs an upper bound >= 1, got {c.is_high}")
         else:
             require(c.is_low is not None and c.is_high is not None and 0 <= c.is_low < 1.0 < c.is_high, source,
-                     f"{key}.is_low", f"{c.is_mode} mode needs 0 <= is_low < 1 < is_high, got [{c.is_low}, {c.is_high}]")
+                    f"{key}.is_low", f"{c.is_mode} mode needs 0 <= is_low < 1 < is_high, got [{c.is_low}, {c.is_high}]")
     if c.reject_level != "none":
         require(c.reject_low is not None or c.reject_high is not None, source, f"{key}.reject_level",
-                 f"{c.reject_level} rejection needs reject_low and/or reject_high")
+                f"{c.reject_level} rejection needs reject_low and/or reject_high")
         require((c.reject_low is None or c.reject_low < 1.0) and (c.reject_high is None or c.reject_high > 1.0),
-                 source, key, f"rejection bounds must satisfy low < 1 < high, got [{c.reject_low}, {c.reject_high}]")
+                source, key, f"rejection bounds must satisfy low < 1 < high, got [{c.reject_low}, {c.reject_high}]")
         require(c.reject_low is None or c.reject_low >= 0, source, f"{key}.reject_low", "must be >= 0")
     if c.seq_veto_threshold is not None:
         require(0.0 < c.seq_veto_threshold < 1.0, source, f"{key}.seq_veto_threshold",
-                 f"must be in (0, 1), got {c.seq_veto_threshold}")
+                f"must be in (0, 1), got {c.seq_veto_threshold}")
     if c.kl_reject_threshold is not None:
         require(c.kl_reject_threshold > 0, source, f"{key}.kl_reject_threshold", "must be > 0")
     if c.old_policy == "sampler":
         require(c.is_level == "none" and c.reject_level == "none" and c.seq_veto_threshold is None
-                 and c.kl_reject_threshold is None, source, f"{key}.old_policy",
-                 "with old_policy: sampler the sampler is pi_old and there is no mismatch to correct: "
-                 "set is_level/reject_level to none and veto/kl thresholds to null (preset bypass)")
+                and c.kl_reject_threshold is None, source, f"{key}.old_policy",
+                "with old_policy: sampler the sampler is pi_old and there is no mismatch to correct: "
+                "set is_level/reject_level to none and veto/kl thresholds to null (preset bypass)")

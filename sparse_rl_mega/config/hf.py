@@ -81,7 +81,7 @@ def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
     hf_config = Path(cfg.model.path) / "config.json"
     if not hf_config.is_file():
         require(cfg.model.create_tiny is not None or not Path(cfg.model.path).exists(), source, "model.path",
-                 f"{cfg.model.path} exists but has no config.json")
+                f"{cfg.model.path} exists but has no config.json")
         return
     hf_arch = arch_from_hf_config(cfg.model.path)
     a = cfg.model.arch
@@ -89,17 +89,17 @@ def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
                  "vocab_size", "tie_word_embeddings", "max_position_embeddings", "qkv_bias"):
         ours = getattr(a, name)
         require(name not in hf_arch or ours == hf_arch[name], source, f"model.arch.{name}",
-                 f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
+                f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
     # HF's head width: head_dim where written, else hidden_size / num_attention_heads (as transformers derives it)
     hf_head_dim = hf_arch.get("head_dim") or (hf_arch["hidden_size"] // hf_arch["num_attention_heads"]
                                               if "hidden_size" in hf_arch and hf_arch.get("num_attention_heads") else None)
     require(hf_head_dim is None or a.kv_channels == hf_head_dim, source, "model.arch.head_dim",
-             f"heads of width {a.kv_channels} disagree with {hf_config} (heads of width {hf_head_dim}"
-             + (")" if "head_dim" in hf_arch else " = hidden_size / num_attention_heads)"))
+            f"heads of width {a.kv_channels} disagree with {hf_config} (heads of width {hf_head_dim}"
+            + (")" if "head_dim" in hf_arch else " = hidden_size / num_attention_heads)"))
     for name in ("rope_theta", "norm_eps"):  # floats (HF may store 1e-5 as 9.99999974e-06)
         ours = getattr(a, name)
         require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,
-                 f"model.arch.{name}", f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
+                f"model.arch.{name}", f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
 
 
 def hf_shape(model_path: str | Path) -> dict:

@@ -139,7 +139,7 @@ def validate_kv(cfg, source: str) -> None:  # (cfg: a RunConfig, whose module im
     known = policy_param_names()
     for name in kv.params:
         require(name in known, source, f"{key}.params.{name}",
-                 f"no registered KV policy takes it; parameters: {', '.join(sorted(known))}")
+                f"no registered KV policy takes it; parameters: {', '.join(sorted(known))}")
     if kv.policy == NO_POLICY:
         return
     try:
@@ -151,25 +151,24 @@ def validate_kv(cfg, source: str) -> None:  # (cfg: a RunConfig, whose module im
         validate_auto_budget(kv, source)
     problem = tp_split_problem(EngineKVSettings.from_config(kv), r.engine_tensor_parallel_size, a.num_query_groups)
     require(problem is None, source, "rollout.engine_tensor_parallel_size",
-             f"{r.engine_tensor_parallel_size} exceeds model.arch.num_query_groups={a.num_query_groups}: {problem}")
+            f"{r.engine_tensor_parallel_size} exceeds model.arch.num_query_groups={a.num_query_groups}: {problem}")
 
 
 def validate_auto_budget(kv: KVCompressionConfig, source: str) -> None:
-
     auto, key = kv.auto_budget, "rollout.kv_compression.auto_budget"
     for bound in ("min", "max"):
         require(getattr(auto, bound) is not None, source, f"{key}.{bound}",
-                 "required: the automatic budget stays within [min, max]")
+                "required: the automatic budget stays within [min, max]")
     try:
         kv.build_policy().check_budget(auto.min)
     except PolicyError as exc:
         raise ConfigError(f"{source}: {key}.min: {exc}") from None
     require(auto.min <= auto.max, source, f"{key}.max", f"must be >= min = {auto.min}, got {auto.max}")
     require(auto.min <= kv.budget <= auto.max, source, "rollout.kv_compression.budget",
-             f"{kv.budget} is where the automatic budget starts: it must lie in auto_budget [{auto.min}, {auto.max}]")
+            f"{kv.budget} is where the automatic budget starts: it must lie in auto_budget [{auto.min}, {auto.max}]")
     tails = [q for q in LOG_RHO_QUANTILES if q < 50]
     require(auto.quantile in tails, source, f"{key}.quantile",
-             f"must be one of the measured lower quantiles of log rho {tails} (percent), got {auto.quantile:g}")
+            f"must be one of the measured lower quantiles of log rho {tails} (percent), got {auto.quantile:g}")
     require(0 < auto.min_rho < 1, source, f"{key}.min_rho", f"must be in (0, 1), got {auto.min_rho}")
     for step in ("increase", "decrease"):
         value = getattr(auto, step)

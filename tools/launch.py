@@ -32,17 +32,15 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from sparse_rl_mega.cli.preflight import preflight  # noqa: E402
+from sparse_rl_mega.config import RunConfig, load_config_or_exit  # noqa: E402 (no torch: main() sets OMP_NUM_THREADS first)
 from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV, die_with_parent  # noqa: E402
 from sparse_rl_mega.runtime.ports import free_port  # noqa: E402,F401  (tests import it from here)
-
-if TYPE_CHECKING:  # (the config imports torch: main() imports it once OMP_NUM_THREADS is set, and --help needs neither)
-    from sparse_rl_mega.config import RunConfig
 
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # LAUNCHED_AT, from this process to its torchrun workers
 
@@ -179,8 +177,8 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
     from sparse_rl_mega.runtime import watchdog
     from sparse_rl_mega.runtime.faults import LAUNCHER_PID_ENV
     from sparse_rl_mega.train.forked_ranks import run_on_this_node, start_job_rank_server
-    from sparse_rl_mega.runtime.jobs import (LOCK_HELD_ENV, FolderLocked, clear_earlier_run, earlier_run, earlier_run_problem,
-                                     lock_job_folders)
+    from sparse_rl_mega.runtime.jobs import (LOCK_HELD_ENV, FolderLocked, clear_earlier_run, earlier_run,
+                                             earlier_run_problem, lock_job_folders)
 
     try:
         locks = lock_job_folders(cfg)
@@ -260,9 +258,6 @@ def main(argv=None) -> int:
     elif os.environ.pop(STOP_WITH_PARENT_ENV, None):  # started by a tool (launches.py): stop when it ends
         die_with_parent(signal.SIGTERM)
     args = parse_args(argv)
-    from sparse_rl_mega.cli.preflight import preflight
-    from sparse_rl_mega.config import load_config_or_exit
-
     cfg = load_config_or_exit(args.config, args.overrides)
     if args.dry_run:
         checked = preflight(cfg, dry_run=True)

@@ -34,12 +34,8 @@ def fill_arch_from_folder(raw: dict, source: str) -> list[str]:
     return filled
 
 
-def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
-    """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
-
-    Reads both config layouts of transformers (``rope_theta`` at the top, 4.x, or inside
-    ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model type,
-    RoPE scaling, MLP biases, sliding-window attention) raise :class:`ConfigError` naming the file and key."""
+def read_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
+    """An HF folder's ``config.json`` as a dict; one that cannot be read raises :class:`ConfigError`."""
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
@@ -47,6 +43,17 @@ def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> 
         raise ConfigError(f"{source + ': ' if source else ''}model.path: {path} cannot be read as JSON: {exc}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{source + ': ' if source else ''}model.path: {path} holds no JSON object")
+    return hf
+
+
+def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
+    """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
+
+    Reads both config layouts of transformers (``rope_theta`` at the top, 4.x, or inside
+    ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model type,
+    RoPE scaling, MLP biases, sliding-window attention) raise :class:`ConfigError` naming the file and key."""
+    path = Path(model_dir) / "config.json"
+    hf = read_hf_config(model_dir, source)
     names = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
              "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
              "head_dim": "head_dim", "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
@@ -104,8 +111,8 @@ def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
 
 def hf_shape(model_path: str | Path) -> dict:
     """What sizing an engine's buffers needs of the model in ``model_path``: layers, heads, KV heads,
-    head width and vocabulary (read by :func:`arch_from_hf_config`)."""
-    arch = arch_from_hf_config(model_path)
-    heads = arch["num_attention_heads"]
-    return {"layers": arch["num_layers"], "heads": heads, "kv_heads": arch["num_query_groups"],
-            "head_dim": arch.get("head_dim") or arch["hidden_size"] // heads, "vocab": arch["vocab_size"]}
+    head width and vocabulary (any model SGLang serves: the family is not checked here)."""
+    hf = read_hf_config(model_path)
+    heads = hf["num_attention_heads"]
+    return {"layers": hf["num_hidden_layers"], "heads": heads, "kv_heads": hf.get("num_key_value_heads", heads),
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab": hf["vocab_size"]}

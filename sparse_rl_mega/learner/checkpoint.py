@@ -27,20 +27,18 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException, not an Exception)
 
+from sparse_rl_mega.learner.model import Learner
 from sparse_rl_mega.learner.weights import as_chunks, chunks_sharded_state_dict
 from sparse_rl_mega.runtime.checkpoint_files import (MARKER, checkpoint_bytes, complete_checkpoints, data_files,
                                                      digest_of, free_bytes, read_marker, resume_candidates, size_text,
                                                      storage_cause, verify)
 from sparse_rl_mega.runtime.jobs import JobWideError
-
-if TYPE_CHECKING:  # (the launcher finds checkpoints without importing the learner)
-    from sparse_rl_mega.learner.model import Learner
 
 SPACE_MARGIN = 1.05  # a new checkpoint may be this much larger than the previous one
 

@@ -236,10 +236,6 @@ class RolloutEngine:
         except EngineFailure as failure:
             return failure
 
-    def abort_update(self) -> None:
-        """End a weight-update session that failed on this side (the engine must not stay in it)."""
-        self._call("weight push", self.engine.end_weight_update)
-
     def submit_join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  backend: str, group_name: str) -> Future:
         """Ask this engine's ranks to join the weight group whose member 0 listens at

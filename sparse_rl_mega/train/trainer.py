@@ -40,16 +40,15 @@ from sparse_rl_mega.runtime import watchdog
 from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, config_digest
 from sparse_rl_mega.runtime.faults import FaultInjector
 from sparse_rl_mega.runtime.jobs import JobWideError
+from sparse_rl_mega.train.cadence import Cadence
 from sparse_rl_mega.train.console import PhaseClock, PhaseTimer, duration, log, progress_line
 from sparse_rl_mega.train.evaluation import Evaluator
 from sparse_rl_mega.train.forked_ranks import forked_rank
-from sparse_rl_mega.train.cadence import Cadence
 from sparse_rl_mega.train.step_metrics import (advantage_metrics, dense_mismatch_warning, dense_sampler_k3, merge_steps,
                                                metrics_by_staleness)
 from sparse_rl_mega.train.tracking import Tracker
 
 ENGINE_CLOSE_WAIT_S = 60.0  # how long a failed set-up waits for a starting engine, to shut it down
-
 SHUTDOWN_SLACK_S = 60.0  # the rest of shutting down (reward workers, the last barrier), for the watchdog
 
 

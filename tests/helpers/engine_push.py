@@ -72,7 +72,7 @@ class DirectPush:
         except EngineFailure:
             raise
         except BaseException:
-            engine.abort_update()  # (the session must not stay open)
+            engine.end_update(engine.weight_version)  # (the session must not stay open; the version stays)
             raise
         engine.end_update(version)
         return version

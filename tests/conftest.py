@@ -94,55 +94,165 @@ def run_captured(command: list, timeout: int, env: Optional[dict] = None) -> sub
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-_tool_server = None  # this worker's (tests/helpers/tool_server.py), started at its first run
+# what the suite's in-process runs fork from beyond a launcher's ranks (SGLang's modules under the engine
+# processes' environment, the ranks' modules: train/forked_ranks.py): torchrun's agent, export's writer,
+# the learner helpers' modules and transformers' models they compare against
+SUITE_PRELOAD = ("safetensors.torch", "torch.distributed.run", "torch.distributed.launcher.api",
+                 "sparse_rl_mega.learner.step", "sparse_rl_mega.learner.weights",
+                 "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                 "transformers.models.qwen3.modeling_qwen3")
 
 
-def tool_server():
-    """This worker's tool server (tests/helpers/tool_server.py), started at the first call."""
-    import atexit
-    import shutil
+def warm_server() -> None:
+    """Start this test worker's warm server (runtime/warm_fork.py) once, before its first engine, launch or
+    tool run: a new interpreter (the worker runs more than one thread) that imports what they fork."""
+    from sparse_rl_mega.runtime import warm_fork
+    from sparse_rl_mega.train.forked_ranks import ENGINE_MODULES, RANK_MODULES
+
+    if warm_fork.server_pid() is None:
+        warm_fork.start_server([*ENGINE_MODULES, *RANK_MODULES, *SUITE_PRELOAD])
+
+
+class _Stopped(BaseException):
+    """A run in process that outlived its time limit."""
+
+
+def run_in_process(call, timeout: int, env: Optional[dict] = None, name: str = "run") -> subprocess.CompletedProcess:
+    """``call()`` in this process as a fresh interpreter would run it, with its output and that of the
+    processes it starts captured (descriptors 1 and 2, ``sys.stdout``/``sys.stderr``), ``env`` added to the
+    environment, and afterwards this process's environment, working folder, ``sys.argv``, ``sys.path``,
+    signal handlers and warning filters as they were. Its exit code: what it returned, or the code of
+    ``SystemExit``, or 1 after a traceback; past ``timeout`` s it is interrupted (SIGALRM) and the code is -9."""
+    import signal
     import tempfile
+    import traceback
+    import warnings
 
-    from tests.helpers.tool_server import ToolServer
+    saved_env, saved_cwd, saved_argv, saved_path = dict(os.environ), os.getcwd(), list(sys.argv), list(sys.path)
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+               signal.SIGCHLD, signal.SIGALRM, signal.SIGPIPE]
+    saved_handlers = {signum: signal.getsignal(signum) for signum in signals}
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    saved_streams = sys.stdout, sys.stderr
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    note = ""
 
-    global _tool_server
-    if _tool_server is None:
-        folder = Path(tempfile.mkdtemp(prefix="tool-server-"))
-        atexit.register(shutil.rmtree, folder, True)
-        _tool_server = ToolServer(folder)
-    return _tool_server
+    def stop(signum, frame):
+        raise _Stopped()
+
+    try:
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
+        os.chdir(ROOT)
+        signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        with warnings.catch_warnings():
+            try:
+                code = call()
+            except SystemExit as exit_:
+                code = exit_.code
+            except _Stopped:
+                code, note = -9, f"\n[test] {name} stopped after {timeout} s"
+            except Exception:  # noqa: BLE001 (as an interpreter: a traceback, status 1)
+                traceback.print_exc()
+                code = 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = saved_streams
+        for fd, saved in zip((1, 2), saved_fds):
+            os.dup2(saved, fd)
+            os.close(saved)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        for signum, handler in saved_handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    texts = []
+    for captured in (out, err):
+        captured.seek(0)
+        texts.append(captured.read().decode(errors="replace"))
+        captured.close()
+    return subprocess.CompletedProcess([name], code, texts[0], texts[1] + note)
 
 
-def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None, start: bool = True
+def start_script(script: Path, args: list, env: dict, log: Path):
+    """``python SCRIPT ARGS`` started in the background, its output to ``log``, in a session of its own:
+    a child of this worker's warm server that behaves as that new interpreter would
+    (``runtime.warm_fork.WarmProcess``: ``pid``, ``exitcode``, ``join``), in this worker's working folder."""
+    from sparse_rl_mega.runtime.warm_fork import Descriptor, WarmProcess, run_script
+
+    warm_server()
+    with open(log, "w") as out, open(os.devnull) as nothing:
+        process = WarmProcess(target=run_script, args=(str(script), [str(a) for a in args]), env={**os.environ, **env},
+                              stdio=(Descriptor(nothing.fileno()), Descriptor(out.fileno()), Descriptor(out.fileno())),
+                              new_session=True, name=Path(script).name)
+        process.start()
+    return process
+
+
+def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None, warm: bool = True
              ) -> subprocess.CompletedProcess:
-    """``python SCRIPT ARGS`` from the repo root (output captured, its process group killed on timeout) as
-    a fork of this worker's tool server, which imported torch, Megatron-Core, SGLang and MLflow once,
-    under the worker's environment as the server started plus ``env`` (tests/helpers/tool_server.py); as
-    a fresh interpreter (:func:`run_captured`) where ``env`` sets a variable that modules may read as they
-    are imported, or where the server is not running and not ``start`` (quick runs of the ``unit`` tier,
-    which would not repay its start alone)."""
-    if (_tool_server is None and not start) or not tool_server().can_run(env or {}):
-        return run_captured([sys.executable, script, *args], timeout, env)
-    return tool_server().run(script, list(args), env or {}, timeout)
+    """``python SCRIPT ARGS`` as its ``main(argv)`` called in this process (:func:`run_in_process`): the
+    script's module is run afresh (``runpy``: its own module-level state, as a new interpreter's), the
+    processes it starts are children of this worker's warm server (started first unless not ``warm``: a
+    run that starts no process). Fresh interpreters are for what is about one (:func:`run_captured`): a
+    tool's ``--help``, the end-to-end launch, killed launchers."""
+    import runpy
+
+    if warm:
+        warm_server()
+
+    def call():
+        module = runpy.run_path(str(script), run_name=f"tool_{Path(script).stem}")
+        return module["main"]([str(a) for a in args])
+
+    return run_in_process(call, timeout, env, f"{Path(script).name} {' '.join(map(str, args))}")
+
+
+# the learner helpers' modules (tests/helpers), which their ranks import
+HELPER_MODULES = ("sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step", "sparse_rl_mega.learner.weights",
+                  "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                  "transformers.models.qwen3.modeling_qwen3")
 
 
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a helper script under torchrun on loopback with a free port (output captured), its ranks
-    forked from a process that imported the learner once (tests/helpers/torchrun_forked.py). On a CUDA
-    machine the ranks are exec'd by torchrun itself, as a GPU launch's are (a fork must not inherit a
-    CUDA context, and the fork server's preload imports SGLang, which a GPU check machine may lack)."""
+    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on loopback with a free port (output captured):
+    torchrun's agent in this process, its ranks children of this worker's warm server, as
+    ``tools/launch.py`` runs a job's (``train/forked_ranks.py``). On a CUDA machine torchrun itself, in a
+    new interpreter, exec's them, as a GPU launch's are."""
     import torch
 
     if torch.cuda.is_available():
         return run_captured([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                              script, *args], timeout)
-    return run_tool(ROOT / "tests" / "helpers" / "torchrun_forked.py", nproc, script, *args, timeout=timeout)
+    from sparse_rl_mega.train.forked_ranks import run_script_ranks, start_rank_server
+
+    warm_server()
+
+    def call():
+        return run_script_ranks(nproc, str(script), [str(a) for a in args], start_rank_server(HELPER_MODULES), "torchrun")
+
+    return run_in_process(call, timeout, name=f"torchrun {Path(script).name}")
 
 
 def run_launch(config: Path, *overrides: str, timeout: int = 900, env: Optional[dict] = None, fresh: bool = False
                ) -> subprocess.CompletedProcess:
     """``python tools/launch.py CONFIG [--set ...]`` (output captured): with ``fresh`` in a new
-    interpreter, as a user runs it; else forked from the tool server (:func:`run_tool`)."""
+    interpreter, as a user runs it; else its ``main`` in this process (:func:`run_tool`)."""
     if fresh:
         return run_captured([sys.executable, ROOT / "tools" / "launch.py", config, *overrides], timeout, env)
     return run_tool(ROOT / "tools" / "launch.py", config, *overrides, timeout=timeout, env=env)

@@ -122,7 +122,7 @@ def test_override_reaches_value_and_is_validated(tmp_path):
 
 
 def _launch(*args):
-    return run_tool(ROOT / "tools" / "launch.py", *args, timeout=120, start=False)
+    return run_tool(ROOT / "tools" / "launch.py", *args, timeout=120, warm=False)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))

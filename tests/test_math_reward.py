@@ -272,8 +272,8 @@ def test_close_leaves_no_child_processes():
     s = MathScorer(timeout_s=LIMIT, workers=2)
     s.wait_ready()
     s.score([HOSTILE["power tower"]], ["1"])  # one worker replaced along the way
-    pids = s.worker_pids + [s._forks[0].proc.pid]  # the workers and the process that forks them
-    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    pids = s.worker_pids  # (the warm server they are forked from is this process's: it dies with it)
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
     s.close()
     s.close()  # idempotent
     assert not any(_alive(p) for p in pids)

@@ -29,7 +29,7 @@ def _variant(tmp_path, edit=lambda raw: None) -> Path:
 
 
 def _launch(*args):
-    return run_tool(ROOT / "tools" / "launch.py", *map(str, args), timeout=120, start=False)
+    return run_tool(ROOT / "tools" / "launch.py", *map(str, args), timeout=120, warm=False)
 
 
 def _error_lines(proc) -> list[str]:

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, TRAIN_DATA, alive, run_launch, tool_server, write_test_config
+from tests.conftest import ROOT, TRAIN_DATA, alive, run_launch, start_script, write_test_config
 
 
 def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_path):
@@ -55,8 +55,8 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
     config = write_test_config(tmp_path / "job.yaml", tiny_model_dir, run_dir)
     log = tmp_path / "job.log"
     # 50 iterations: orphans, if any, would still be training when they are looked for
-    job = tool_server().start(ROOT / "tools" / "launch.py", [config, "--set=trainer.iterations=50"],
-                              {"SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:2"}, log, log)
+    job = start_script(ROOT / "tools" / "launch.py", [config, "--set=trainer.iterations=50"],
+                       {"SPARSE_RL_MEGA_FAULT": "kill-launcher@rollout:2"}, log)
     seen: set[int] = set()
     try:
         lock = run_dir / ".lock"
@@ -68,13 +68,14 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
         assert "is in use by another job (host " in second.stderr and f"pid {job.pid}," in second.stderr, second.stderr
         assert "[setup]" not in second.stdout
         deadline = time.time() + 300
-        while job.poll() is None and time.time() < deadline:
+        while job.exitcode is None and time.time() < deadline:
             try:
                 seen.update(p.pid for p in psutil.Process(job.pid).children(recursive=True))
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.2)
-        assert job.wait(timeout=5) == -9, log.read_text()[-3000:]
+        job.join(timeout=5)
+        assert job.exitcode == -9, log.read_text()[-3000:]
         assert len(seen) >= 5, seen  # two learner ranks, the engine's process server, scheduler, detokenizer
         deadline = time.time() + 10
         while alive(seen) and time.time() < deadline:

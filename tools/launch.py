@@ -39,10 +39,12 @@ if str(ROOT) not in sys.path:
 
 from sparse_rl_mega.cli.preflight import preflight  # noqa: E402
 from sparse_rl_mega.config import RunConfig, load_config_or_exit  # noqa: E402 (no torch: main() sets OMP_NUM_THREADS first)
-from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV, die_with_parent  # noqa: E402
+from sparse_rl_mega.runtime import warm_fork  # noqa: E402
+from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV  # noqa: E402
 from sparse_rl_mega.runtime.ports import free_port  # noqa: E402,F401  (tests import it from here)
 
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # LAUNCHED_AT, from this process to its torchrun workers
+warm_fork.read_after_start(LAUNCHED_AT_ENV)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -254,9 +256,9 @@ def main(argv=None) -> int:
         # which forks the ranks' server (sparse_rl_mega/train/forked_ranks.py)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if under_torchrun:
-        die_with_parent()  # no learner rank outlives its launcher or torchrun agent
+        warm_fork.die_with_parent()  # no learner rank outlives its launcher or torchrun agent
     elif os.environ.pop(STOP_WITH_PARENT_ENV, None):  # started by a tool (launches.py): stop when it ends
-        die_with_parent(signal.SIGTERM)
+        warm_fork.die_with_parent(signal.SIGTERM)
     args = parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     if args.dry_run:

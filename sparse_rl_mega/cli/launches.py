@@ -3,13 +3,13 @@
 repeat).
 
 A launcher of a single-node CPU job imports torch, Megatron-Core and, when a rank hosts an engine, SGLang
-before it forks its ranks (``forked_ranks.py``): ~12 CPU-s of imports on these 2-core machines, again
-for every launch. :func:`start_launch_server` imports them once in the tool and forks multiprocessing's
-forkserver from it (``process_server.py``); :func:`run_launch` then runs each launch as a fork of that
-server, which runs ``tools/launch.py`` as a script, as a new interpreter would, under the tool's
-environment of that moment. Its ranks and engines start as they would under a new launcher (the launch
-forks its own rank server). GPU machines and multi-node configs launch new interpreters as before, and
-so does ``tools/chaos.py``: it finds a trial's processes by a variable of their initial environment
+before its warm server forks its ranks (``train/forked_ranks.py``): ~12 CPU-s of imports on these 2-core
+machines, again for every launch. :func:`start_launch_server` makes the tool's own warm server
+(``runtime/warm_fork.py``) import them once; :func:`run_launch` then runs each launch as a child of it,
+which runs ``tools/launch.py`` as a script, as a new interpreter would, under the tool's environment of
+that moment. Its ranks and engines start as they would under a new launcher (the launch makes a warm
+server of its own). GPU machines and multi-node configs launch new interpreters as before, and so does
+``tools/chaos.py``: it finds a trial's processes by a variable of their initial environment
 (``/proc/PID/environ``), which a fork keeps from the process it was forked from.
 
 Either way the launch stops as on SIGTERM (its job's processes, engines and folder locks with it) when
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from sparse_rl_mega.config import ConfigError, load_config
-from sparse_rl_mega.runtime import process_server
+from sparse_rl_mega.runtime.warm_fork import Descriptor, WarmProcess, run_script
 from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV
 from sparse_rl_mega.train.forked_ranks import start_job_rank_server
 
@@ -33,12 +33,11 @@ LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "launch.py"
 
 
 def start_launch_server(config: str, overrides: list[str]) -> bool:
-    """Import what ``tools/launch.py`` imports for the job of ``config`` with ``overrides`` (``KEY=VALUE``)
-    and fork the launches' server from this process, as a launcher forks its ranks' server
-    (``forked_ranks.start_job_rank_server``: one node, one thread running, no server yet, no GPU).
-    False (nothing forked) where the launches must be new interpreters; call it before anything that
-    starts a thread here (MLflow's SQL store does). The tool sets ``OMP_NUM_THREADS`` (1 unless set) before
-    it imports this module, which imports torch: torch's OpenMP pool must not start threads here."""
+    """Make this tool's warm server import what ``tools/launch.py`` imports for the job of ``config`` with
+    ``overrides`` (``KEY=VALUE``), as a launcher makes its ranks' (``forked_ranks.start_job_rank_server``).
+    False where the launches must be new interpreters; call it before anything that starts a thread here
+    (MLflow's SQL store does). The tool sets ``OMP_NUM_THREADS`` (1 unless set) before it imports this
+    module, which imports torch: torch's OpenMP pool must not start threads here."""
     try:
         cfg = load_config(config, overrides)
     except ConfigError:
@@ -48,38 +47,26 @@ def start_launch_server(config: str, overrides: list[str]) -> bool:
 
 def run_launch(args: list[str], log: Optional[Path] = None, cwd: Optional[Path] = None, forked: bool = False) -> int:
     """``python tools/launch.py ARGS`` in ``cwd`` (default: this process's), its output to this process's
-    or, with ``log``, to that file; a fork of the launches' server with ``forked``
-    (:func:`start_launch_server`), else a new interpreter. Its exit code (negative: the signal that
-    ended it)."""
+    or, with ``log``, to that file; a child of the warm server with ``forked`` (:func:`start_launch_server`),
+    else a new interpreter. Its exit code (negative: the signal that ended it)."""
     environment = {**os.environ, STOP_WITH_PARENT_ENV: "1"}
-    if not forked:
-        out = open(log, "w") if log else None
-        try:
+    out = open(log, "w") if log else None
+    try:
+        if not forked:
             return subprocess.call([sys.executable, str(LAUNCH_SCRIPT), *args], cwd=cwd, stdout=out,
                                    stderr=subprocess.STDOUT if out else None, env=environment)
-        finally:
-            if out:
-                out.close()
-    import multiprocessing
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    launch = multiprocessing.get_context("forkserver").Process(
-        target=_run_launch_script, args=(environment, list(args), str(log) if log else None, str(cwd or os.getcwd())),
-        name="launch")
-    launch.start()
-    launch.join()
-    return launch.exitcode
+        stdio = None if out is None else (Descriptor(0), Descriptor(out.fileno()), Descriptor(out.fileno()))
+        launch = WarmProcess(target=_run_launch_script, args=(list(args), str(cwd or os.getcwd())), stdio=stdio,
+                             env=environment, name="launch")
+        launch.start()
+        launch.join()
+        return launch.exitcode
+    finally:
+        if out:
+            out.close()
 
 
-def _run_launch_script(environment: dict[str, str], args: list[str], log: Optional[str], cwd: str) -> None:
-    """(In the fork) the tool's environment, working folder and output, then ``tools/launch.py`` run as
-    ``__main__`` with ``args``, as ``python tools/launch.py ARGS`` would run it."""
-    if log:
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-    process_server.take_environment(environment)
+def _run_launch_script(args: list[str], cwd: str) -> None:
+    """(In the child) ``tools/launch.py`` run as ``__main__`` with ``args`` in ``cwd``."""
     os.chdir(cwd)
-    process_server.run_script(str(LAUNCH_SCRIPT), args)
+    run_script(str(LAUNCH_SCRIPT), args)

@@ -7,12 +7,12 @@ to 0: the reward is exactly the correctness).
 * ``exact_answer``: :func:`~sparse_rl_mega.reward.exact.exact_answer_reward`, in process.
 * ``math``: answers extracted here (:mod:`sparse_rl_mega.reward.math`); pairs that plain string or
   integer comparison cannot settle are checked with math-verify in a small pool of worker processes,
-  sent in chunks. The workers are forks of one process that imported math-verify once
-  (``python -m sparse_rl_mega.reward._math_worker``): a worker replacing one costs a fork, not ~1.5
-  CPU-s of imports. Each item has ``timeout_s`` from the moment its worker starts it: a worker past the
-  limit is killed (SIGKILL) and replaced, the item scores 0 and is counted in ``stats.timeouts``; the
-  rest of its chunk goes to another worker. The forking process dies with the process (or thread) that
-  started it, the workers with it; :meth:`Scorer.close` stops them all.
+  sent in chunks. The workers (:mod:`sparse_rl_mega.reward.math_worker`) are children of this process's
+  warm server (``runtime/warm_fork.py``), which imported math-verify and warmed it once: a worker
+  replacing one costs a fork, not ~1.5 CPU-s of imports. Each item has ``timeout_s`` from the moment its
+  worker starts it: a worker past the limit is killed (SIGKILL) and replaced, the item scores 0 and is
+  counted in ``stats.timeouts``; the rest of its chunk goes to another worker. The workers die with the
+  server, which dies with this process; :meth:`Scorer.close` stops them.
 """
 from __future__ import annotations
 
@@ -20,24 +20,22 @@ import json
 import os
 import selectors
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Optional
 
 from sparse_rl_mega.reward import math as math_answer
+from sparse_rl_mega.reward import math_worker
+from sparse_rl_mega.runtime import warm_fork
+from sparse_rl_mega.runtime.warm_fork import Descriptor, WarmProcess
 from sparse_rl_mega.reward.exact import exact_answer_reward, extract_final_number
 
 WORKER_MEMORY_MB = 2048      # address-space limit of a worker (RLIMIT_AS); a runaway sympy gets MemoryError
 WORKER_STARTUP_S = 120.0     # a worker that is not ready by then is an error (import problem, overload)
 CHUNK_MAX = 16               # items per message to a worker
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass
@@ -131,67 +129,19 @@ class ExactAnswerScorer(Scorer):
         return correct, boxed
 
 
-class _WorkerForks:
-    """The process that imported math-verify once and forks the workers (``_math_worker``); it dies with
-    the thread that started it, and its workers with it."""
+class _Worker:
+    """A worker (``math_worker.serve_items``, a child of the warm server) and its two pipes."""
 
     def __init__(self, memory_mb: int) -> None:
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sparse_rl_mega.reward._math_worker", str(os.getpid()), str(memory_mb),
-             str(theirs.fileno())], stdin=subprocess.DEVNULL, cwd=_PACKAGE_ROOT, env=env, pass_fds=(theirs.fileno(),))
-        theirs.close()
-        self.control = ours
-        self.asked = 0          # workers asked for
-        self.pids: list = []    # their pids, in the order asked, as the process answers
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def ask(self, items_fd: int, answers_fd: int) -> int:
-        """Ask for a worker reading ``items_fd`` and writing ``answers_fd``; its number (see :meth:`pid`)."""
-        try:
-            socket.send_fds(self.control, [b"w"], [items_fd, answers_fd])
-        except OSError:  # it ended: the worker never starts, its answers' end closes with this request
-            pass
-        self.asked += 1
-        return self.asked - 1
-
-    def known_pid(self, number: int) -> Optional[int]:
-        """The pid of worker ``number`` if the process has answered already."""
-        return self.pids[number] if number < len(self.pids) else None
-
-    def pid(self, number: int) -> Optional[int]:
-        """The pid of worker ``number`` (waiting for the answer); None if the process ended first."""
-        if self.control.fileno() == -1:
-            return self.known_pid(number)
-        self.control.settimeout(WORKER_STARTUP_S)
-        while len(self.pids) <= number:
-            try:
-                answer = self.control.recv(4, socket.MSG_WAITALL)
-            except OSError:
-                answer = b""
-            if len(answer) < 4:
-                return None
-            self.pids.append(int.from_bytes(answer, "little"))
-        return self.pids[number]
-
-    def stop(self) -> None:
-        self.control.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-class _Worker:
-    def __init__(self, forks: _WorkerForks) -> None:
         items_r, self.items_w = os.pipe()
         self.fd, answers_w = os.pipe()
-        self.forks = forks
-        self.number = forks.ask(items_r, answers_w)
-        os.close(items_r)
-        os.close(answers_w)
+        self.process = WarmProcess(target=math_worker.serve_items, daemon=True, name="math-reward-worker",
+                                   args=(Descriptor(items_r), Descriptor(answers_w), memory_mb))
+        try:
+            self.process.start()
+        finally:
+            os.close(items_r)
+            os.close(answers_w)
         self.buffer = b""
         self.ready = False
         self.spawned = time.monotonic()
@@ -199,8 +149,13 @@ class _Worker:
         self.started = 0.0     # when queue[0] started
 
     @property
-    def pid(self) -> Optional[int]:
-        return self.forks.pid(self.number)
+    def pid(self) -> int:
+        return self.process.pid
+
+    def exit_code(self, timeout: float) -> Optional[int]:
+        """Its exit code once it has ended (waiting up to ``timeout`` s), else None."""
+        self.process.join(timeout)
+        return self.process.exitcode
 
     def write(self, data: bytes) -> None:
         """Send ``data`` to the worker (a dead one: BrokenPipeError)."""
@@ -222,25 +177,21 @@ class _Worker:
 def _kill(pid: Optional[int]) -> None:
     if pid is not None:
         try:
-            os.kill(pid, signal.SIGKILL)  # (reaped by the forking process, or by init once that ended)
+            os.kill(pid, signal.SIGKILL)  # (reaped by the warm server)
         except ProcessLookupError:
             pass
 
 
-def _stop_workers(workers: list, forks: list, owner_pid: int) -> None:
-    """Kill every worker (they hold no state) and the process that forks them; only in the process that
-    started them. (A worker whose pid has not come yet dies with the forking process.)"""
+def _stop_workers(workers: list, owner_pid: int) -> None:
+    """Kill every worker (they hold no state); only in the process that started them."""
     if os.getpid() != owner_pid:
         return
-    pids = [pid for pid in (w.forks.known_pid(w.number) for w in workers) if pid is not None]
+    pids = [w.pid for w in workers]
     for w in workers:
         w.close()
     workers.clear()
     for pid in pids:
         _kill(pid)
-    for f in forks:
-        f.stop()
-    forks.clear()
     deadline = time.monotonic() + 5.0  # (not our children: gone once the kernel has delivered SIGKILL)
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -271,10 +222,10 @@ class MathScorer(Scorer):
         self._owner_pid = os.getpid()
         self._selector = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
-        self._forks: list[_WorkerForks] = []  # the process that forks the workers (restarted if it ended)
         self._startup_deaths = 0
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, self._forks, self._owner_pid)
-        for _ in range(workers):  # they import math-verify in the background while the caller goes on
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, self._owner_pid)
+        warm_fork.start_server([f"{math_worker.__name__}:warm_up"])  # (one runs already: it serves)
+        for _ in range(workers):
             self._spawn()
 
     @property
@@ -295,11 +246,7 @@ class MathScorer(Scorer):
 
     # ------------------------------------------------------------------ pool
     def _spawn(self) -> _Worker:
-        if not self._forks or not self._forks[0].alive():
-            if self._forks:
-                self._forks.pop().stop()
-            self._forks.append(_WorkerForks(self.memory_mb))
-        w = _Worker(self._forks[0])
+        w = _Worker(self.memory_mb)
         self._workers.append(w)
         self._selector.register(w.fd, selectors.EVENT_READ, w)
         return w
@@ -338,8 +285,7 @@ class MathScorer(Scorer):
         if not data:
             if not w.ready:
                 self._startup_deaths += 1
-                # (no pid: the forking process ended before it forked this worker; its exit code)
-                code = w.forks.proc.wait(timeout=5) if w.pid is None else None
+                code = w.exit_code(timeout=5)
                 if (code is not None and code > 0) or self._startup_deaths >= 3:
                     raise RuntimeError(f"math reward worker exited with code {code} during startup "
                                        "(its stderr is above); is math-verify installed?")

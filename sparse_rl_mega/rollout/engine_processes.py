@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from sparse_rl_mega.rollout import forkserver
+from sparse_rl_mega.runtime import warm_fork
 
 
 def keep_process_on_child_crash() -> None:
@@ -34,6 +35,9 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "GROUP_WORLD_SIZE", "ROLE_NAME",
                  "CUDA_DEVICE_MAX_CONNECTIONS")  # the learner's setting (run_training), not the engine's
+# what the engine processes' environment changes from their host's (engine_process_env): the warm server
+# imported SGLang under theirs already (import_cpu_engine_modules), a host compares the rest
+warm_fork.read_after_start("TORCHDYNAMO_DISABLE", *_LAUNCHER_ENV)
 
 
 @contextmanager

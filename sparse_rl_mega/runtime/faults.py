@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.checkpoint_files import complete_checkpoints
 
 FAULT_ENV = "SPARSE_RL_MEGA_FAULT"
 LAUNCHER_PID_ENV = "SPARSE_RL_MEGA_LAUNCHER_PID"
+warm_fork.read_after_start(FAULT_ENV, LAUNCHER_PID_ENV)  # (read as faults are armed, not at import)
 TRACKING_SERVER_PID_ENV = "SPARSE_RL_MEGA_TRACKING_SERVER_PID"
 PHASES = ("rollout", "train", "sync", "push", "checkpoint")
 _PATTERN = re.compile(r"^(kill-engine|stop-engine|kill-rank\d+|stop-rank\d+|kill-launcher|full-disk|corrupt-checkpoint|"

@@ -2,7 +2,6 @@
 the run (and checkpoint) folder, and one line per failure with the traceback in the run folder."""
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -13,26 +12,14 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.checkpoint_files import MARKER, checkpoint_folder, complete_checkpoints
 
 LOCK_HELD_ENV = "SPARSE_RL_MEGA_LOCKED"  # set by a launcher that holds the job's folder locks
 # set by a tool that starts launches (sparse_rl_mega/cli/launches.py): the launcher stops as on SIGTERM when
 # that tool (or the server it forked the launch from) ends, however it ends
 STOP_WITH_PARENT_ENV = "SPARSE_RL_MEGA_STOP_WITH_PARENT"
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
-    """This process gets ``signum`` (SIGKILL unless asked otherwise) when the process that started it
-    (the launcher or torchrun agent) ends, however it ends: no learner rank outlives its job (its
-    engine's processes die with it in turn, they ask the same of their parent). A launcher started by a
-    tool asks for SIGTERM, so that it stops its job as a user's SIGTERM would."""
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        return  # not Linux: nothing to ask for
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
+warm_fork.read_after_start(LOCK_HELD_ENV, STOP_WITH_PARENT_ENV)  # (read by a launcher as it starts)
 
 
 TORCHRUN_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py")
@@ -42,7 +29,7 @@ def end_torchrun_agent(local_rank: int, wait_s: float = 30.0) -> None:
     """Under torchrun, after a usage error found before the job started (printed already): end its agent
     so that it does not add a 30-line report of the failed worker to that line. The node's first process
     kills the agent (SIGKILL: nothing of the job exists yet; the node's workers die with it, see
-    :func:`die_with_parent`; torchrun exits with status 137); the others wait for that, so the agent never
+    :func:`runtime.warm_fork.die_with_parent`; torchrun exits with status 137); the others wait for that, so the agent never
     sees a worker fail first. Returns at once when the parent is not torchrun's agent."""
     parent = os.getppid()
     try:

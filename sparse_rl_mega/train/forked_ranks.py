@@ -1,62 +1,53 @@
-"""Single-node CPU jobs: the learner ranks are forks of a server that imported their modules once.
+"""Single-node CPU jobs: the learner ranks are children of a warm server (``runtime/warm_fork.py``).
 
 Every rank of a job imports torch, Megatron-Core and its learner (~10 CPU-s on these 2-core machines),
 and a rank that hosts an engine SGLang and MLflow too (~15 more): on a CPU, start-up is mostly
-imports. ``tools/launch.py`` imports them once (:func:`start_rank_server`), forks multiprocessing's
-forkserver from itself (``process_server.py``) and runs torchrun's agent with a function entrypoint
-and the ``forkserver`` start method: each rank is a fork of that server (torchrun's own path for
-function entrypoints), and runs ``tools/launch.py`` as a script (:func:`run_rank`), as an
-exec'd rank would, under the launcher's environment of that moment plus torchrun's variables.
+imports. ``tools/launch.py`` makes its warm server import them once (:func:`start_rank_server`) and
+runs torchrun's agent with a function entrypoint and the ``forkserver`` start method: each rank is a
+child of that server (torchrun's own path for function entrypoints) and runs ``tools/launch.py`` as a
+script (:func:`run_rank`), as an exec'd rank would, under the launcher's environment of that moment
+plus torchrun's variables, with the launcher's output. An engine-hosting rank then starts its own
+warm server for its engines (``rollout/forkserver.py``).
 
-Modules read some settings as they are imported: the ranks' modules are imported under the launcher's
-environment, SGLang's under the engine processes' (``rollout.engine.preload_cpu_engines``), as an
-exec'd rank would import them; an engine-hosting rank still forks its engines' server from itself.
 Megatron-Core is imported before the rank installs the CPU shims (``learner/cpu_shims.py``): they
 replace ``torch.cuda`` functions that Megatron looks up as it calls them, not names it binds at import.
-``tools/export_hf.py`` and the suite's torchrun sessions (``tests/helpers/torchrun_forked.py``) start
-their ranks the same way.
+``tools/export_hf.py`` and the suite's torchrun sessions start their ranks the same way
+(:func:`run_script_ranks`).
 
 GPU machines (CUDA state must not be forked) and multi-node jobs (``torchrun tools/launch.py`` on every
-node) exec their ranks as before.
+node) exec their ranks as before, and so does a launcher whose warm server imported its modules under
+another environment (:func:`runtime.warm_fork.serves`).
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
-from typing import Optional
-
-from sparse_rl_mega.rollout.engine_processes import import_cpu_engine_modules
 from sparse_rl_mega.rollout.placement import hosts_an_engine
-from sparse_rl_mega.runtime import process_server
+from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.ports import free_port
 
 # what a rank imports beyond tools/launch.py: the entry point, and with it the trainer, the learner
 # (Megatron-Core as its functions first use it), its checkpoints, the engine fleet and the tracker (MLflow
-# itself as first used: not its SQL store, which loads pyarrow, whose allocator starts a thread)
-RANK_MODULES = ("sparse_rl_mega.train.entry",)
-# os.environ as the server was forked (the ranks inherit it): what differs in a rank is torchrun's
-_server_environment: Optional[dict[str, str]] = None
+# itself as first used: not its SQL store, which loads pyarrow, whose allocator starts a thread); and the
+# math reward's verifier, warmed (its workers are forks of the rank's engine server, or of one of their own)
+RANK_MODULES = ("sparse_rl_mega.train.entry", "sparse_rl_mega.reward.math_worker:warm_up")
+# SGLang's modules, imported under the engine processes' environment (before the rank's: a rank that hosts an
+# engine forks its engines' server from itself)
+ENGINE_MODULES = ("sparse_rl_mega.rollout.engine_processes:import_cpu_engine_modules",)
+_forked = False  # whether this process's ranks are children of its warm server
 
 
 def start_rank_server(modules=RANK_MODULES, engine_modules: bool = False) -> bool:
-    """Import ``modules`` (and SGLang's, under the engine processes' environment, with
-    ``engine_modules``), then fork the ranks' server from this process (one thread running, no server
-    yet, no GPU). False (nothing forked) where the ranks must be exec'd instead."""
-    global _server_environment
+    """Make this process's warm server import ``modules`` (first SGLang's, under the engine processes'
+    environment, with ``engine_modules``). False where the ranks must be exec'd instead (a GPU; a
+    server that imported its modules under another environment)."""
+    global _forked
     import torch
 
-    if torch.cuda.is_available() or not process_server.can_fork_server():
+    if torch.cuda.is_available():
         return False
-    if engine_modules:
-        import_cpu_engine_modules()
-    for name in modules:
-        importlib.import_module(name)
-    if not process_server.can_fork_server():  # (an import started a thread)
-        return False
-    _server_environment = dict(os.environ)
-    process_server.fork_server()
-    return True
+    _forked = warm_fork.start_server([*(ENGINE_MODULES if engine_modules else ()), *modules])
+    return _forked
 
 
 def start_job_rank_server(cfg) -> bool:
@@ -82,8 +73,8 @@ def run_agent(torchrun_args, forked: bool) -> None:
         elastic_launch(config=config, entrypoint=command)(*script_args)
         return
     config.start_method = "forkserver"
-    elastic_launch(config=config, entrypoint=run_rank)(dict(os.environ), torchrun_args.training_script,
-                                                      torchrun_args.training_script_args)
+    elastic_launch(config=config, entrypoint=run_rank)(dict(os.environ), warm_fork.caller_stdio(),
+                                                      torchrun_args.training_script, torchrun_args.training_script_args)
 
 
 def run_on_this_node(nproc: int, script: str, script_args: list[str], forked: bool) -> None:
@@ -110,17 +101,19 @@ def run_script_ranks(nproc: int, script: str, script_args: list[str], forked: bo
 
 
 def forked_rank() -> bool:
-    """Whether this rank is a fork of the launcher's rank server (said in the start-up line)."""
-    return _server_environment is not None and "LOCAL_RANK" in os.environ
+    """Whether this rank is a child of its launcher's warm server (said in the start-up line)."""
+    return _forked and "LOCAL_RANK" in os.environ
 
 
-def run_rank(environment: dict[str, str], script: str, argv: list[str]) -> None:
-    """A rank (torchrun's function entrypoint, in a fork of the rank server): ``environment`` (the
-    launcher's as it started the job) plus the variables torchrun set for this rank, then ``script``
-    run as ``__main__`` with ``argv``, unbuffered as torchrun's ``python -u`` would run it."""
-    torchrun_vars = {k: v for k, v in os.environ.items() if _server_environment.get(k) != v}
-    process_server.take_environment({**environment, **torchrun_vars})
+def run_rank(environment: dict[str, str], stdio, script: str, argv: list[str]) -> None:
+    """A rank (torchrun's function entrypoint, a child of the warm server): ``environment`` (the
+    launcher's as it started the job) plus the variables torchrun set for this rank, the launcher's
+    ``stdio``, unbuffered as torchrun's ``python -u`` would run it, then ``script`` run as ``__main__``
+    with ``argv`` (``runtime.warm_fork``: as a fresh interpreter)."""
+    global _forked
+    torchrun_vars = warm_fork.variables_set_since_start()
+    warm_fork.become_fresh({**environment, **torchrun_vars}, stdio)
+    _forked = True
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
-    process_server.run_script(script, argv)
-
+    warm_fork.end_as_interpreter(lambda: warm_fork.run_script(script, argv))

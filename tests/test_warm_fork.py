@@ -1,0 +1,100 @@
+"""The one fork primitive (sparse_rl_mega/runtime/warm_fork.py): a child of the warm server behaves as the
+fresh interpreter its caller would have started (argv, environment, working folder, output, exit code,
+``atexit``, threads), from a server forked from a one-thread caller or started as a new interpreter from a
+caller with threads; and it dies with its parent."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import ROOT, alive
+
+pytestmark = pytest.mark.unit
+
+# a script as a user's tool: argv, a variable, the working folder, output on both streams, a thread that
+# finishes before the end, an atexit handler, an exit code
+SCRIPT = textwrap.dedent("""
+    import atexit, os, sys, threading, time
+    print("argv", sys.argv[1:], "var", os.environ.get("WARM_FORK_VAR"), "cwd", os.getcwd(), flush=True)
+    print("to stderr", file=sys.stderr)
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+    atexit.register(lambda: print("atexit ran", flush=True))
+    sys.exit(int(sys.argv[1]))
+""")
+
+# the caller: runs SCRIPT through the primitive (a WarmProcess running it as a script) and says how the
+# server came to be; with "threads", another thread runs here first (the server is then a new interpreter)
+CALLER = textwrap.dedent("""
+    import os, sys, threading
+    sys.path.insert(0, {root!r})
+    from sparse_rl_mega.runtime import warm_fork
+
+    if __name__ == "__main__":  # (multiprocessing imports the caller's main module in a child)
+        if sys.argv[1] == "threads":
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        assert warm_fork.start_server(["json"])
+        os.environ["WARM_FORK_VAR"] = "set after the server"
+        os.chdir(sys.argv[2])
+        child = warm_fork.WarmProcess(target=warm_fork.run_script, args=(sys.argv[3], ["3", "x"]))
+        child.start()
+        child.join()
+        print("how", warm_fork.how_started(), "exit", child.exitcode, file=sys.stderr, flush=True)
+""")
+
+
+def _run(command, cwd, env=None):
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("mode", ["forked", "started"])
+def test_a_child_behaves_as_a_fresh_interpreter(tmp_path, mode):
+    script, caller = tmp_path / "tool.py", tmp_path / "caller.py"
+    script.write_text(SCRIPT)
+    caller.write_text(CALLER.format(root=str(ROOT)))
+    work = tmp_path / "work"
+    work.mkdir()
+    fresh = _run([sys.executable, script, "3", "x"], work, {"WARM_FORK_VAR": "set after the server"})
+    assert fresh.returncode == 3
+    forked = _run([sys.executable, caller, "threads" if mode == "started" else "one", work, script], tmp_path)
+    how = f"how {mode} exit 3\n"
+    assert forked.stderr.endswith(how), forked.stderr[-3000:]
+    assert forked.stdout == fresh.stdout, (forked.stdout, fresh.stdout)
+    assert forked.stderr[:-len(how)] == fresh.stderr
+    assert fresh.stdout.splitlines()[-2:] == ["thread done", "atexit ran"]  # (threads joined, then atexit)
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from sparse_rl_mega.runtime import warm_fork
+
+    if __name__ == "__main__":
+        warm_fork.start_server()
+        child = warm_fork.WarmProcess(target=time.sleep, args=(120,))
+        child.start()
+        print(warm_fork.server_pid(), child.pid, flush=True)
+        time.sleep(120)
+""")
+
+
+def test_a_child_dies_with_its_parent(tmp_path):
+    """The caller killed (SIGKILL: nothing of it runs): its server and the server's child end with it."""
+    caller = tmp_path / "parent.py"
+    caller.write_text(PARENT.format(root=str(ROOT)))
+    with subprocess.Popen([sys.executable, caller], stdout=subprocess.PIPE, text=True) as parent:
+        server, child = map(int, parent.stdout.readline().split())
+        assert alive([server, child]) == [server, child]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+    deadline = time.monotonic() + 10
+    while alive([server, child]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = alive([server, child])
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"outlived their parent: {left} (server {server}, child {child})"

@@ -393,3 +393,112 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST.index(module) if module in LONGEST else len(LONGEST)
 
     items.sort(key=rank)  # stable: test order within a module kept
+
+
+# ----------------------------------------------------------------- every process of the session ends with it
+# The session's first process (pytest's, or its xdist controller) is the subreaper of everything the session
+# starts (PR_SET_CHILD_SUBREAPER): a process whose parent died is re-parented to it, not to init, so it is
+# still found among its descendants. Stopped by SIGTERM or SIGHUP (a CI timeout: `timeout` signals the whole
+# process group), it ends them all before it exits; Ctrl-C, a failure and a normal end reach
+# pytest_unconfigure, which does the same. Each bound: a few seconds.
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _end_descendants(grace_s: float = 0.0) -> list[tuple[str, int]]:
+    """SIGKILL every descendant of this process (after ``grace_s`` s for those about to end by
+    themselves), reap the children; ``(name, pid)`` of those that were killed."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = [p for p in psutil.Process().children(recursive=True) if _running(p)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    killed = []
+    for process in left:
+        try:
+            killed.append((process.name(), process.pid))
+            process.kill()
+        except psutil.Error:  # (ended meanwhile)
+            pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            if not any(_running(p) for p in psutil.Process().children(recursive=True)):
+                break
+            time.sleep(0.05)
+    return killed
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stopped(signum, frame) -> None:
+    import signal
+
+    killed = _end_descendants()
+    print(f"\n[tests] stopped by {signal.Signals(signum).name}: ended {len(killed)} process(es) of the session",
+          file=sys.__stderr__, flush=True)
+    os._exit(128 + signum)
+
+
+def pytest_configure(config):
+    import ctypes
+    import signal
+
+    if hasattr(config, "workerinput"):  # (an xdist worker: the controller is the subreaper)
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stopped)
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "workerinput"):
+        return
+    infrastructure = {_warm_server_pid(), *_resource_trackers()}  # (this process's own: they end with it)
+    killed = [f"{name} ({pid})" for name, pid in _end_descendants(grace_s=2.0) if pid not in infrastructure]
+    if killed:
+        print(f"\n[tests] ended {len(killed)} process(es) that outlived their tests: {', '.join(killed[:20])}",
+              file=sys.__stderr__, flush=True)
+
+
+def _warm_server_pid() -> Optional[int]:
+    """This process's warm server (without ``-n``, the session's process runs the tests)."""
+    warm_fork = sys.modules.get("sparse_rl_mega.runtime.warm_fork")
+    return warm_fork.server_pid() if warm_fork else None
+
+
+def _resource_trackers() -> list[int]:
+    import psutil
+
+    trackers = []
+    for process in psutil.Process().children():
+        try:
+            if "resource_tracker" in " ".join(process.cmdline()):
+                trackers.append(process.pid)
+        except psutil.Error:  # (ended meanwhile)
+            pass
+    return trackers
+
+
+@pytest.fixture(autouse=True)
+def _warm_server_first(request):
+    """Engine and launch tests start this worker's warm server first (what they fork from), so that how
+    fast a test starts its processes does not depend on which test of the worker ran before."""
+    if request.node.get_closest_marker("engine") or request.node.get_closest_marker("launch"):
+        warm_server()
+    yield

@@ -98,3 +98,50 @@ def test_a_child_dies_with_its_parent(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"outlived their parent: {left} (server {server}, child {child})"
+
+
+# a test session that leaves an orphan: a process in a session of its own whose parent (bash) has ended
+ORPHANING_TEST = textwrap.dedent("""
+    import subprocess, sys, time
+
+    import pytest
+
+    @pytest.mark.unit  # (no warm server: tests/conftest.py)
+    def test_orphan(tmp_path):
+        subprocess.run(["bash", "-c", f"setsid {sys.executable} -c 'import time; time.sleep(300)' {TOKEN!r} &"])
+        open({ready!r}, "w").close()
+        time.sleep(300)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_test_session_leaves_no_process(tmp_path, signum):
+    """A session stopped by SIGTERM (a CI timeout) or SIGINT (Ctrl-C) ends every process it started, also one
+    whose parent had ended (tests/conftest.py: the session's process is their subreaper)."""
+    import psutil
+
+    token, ready, log = f"orphan-{os.getpid()}-{int(signum)}", tmp_path / "ready", tmp_path / "session.log"
+    (tmp_path / "test_orphan.py").write_text(ORPHANING_TEST.replace("{TOKEN!r}", repr(token)).replace(
+        "{ready!r}", repr(str(ready))))
+    orphans = []
+    with open(log, "w") as out:
+        session = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "0", "-q",
+                                    "-p", "no:cacheprovider", tmp_path / "test_orphan.py"], cwd=ROOT, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and session.poll() is None:
+            time.sleep(0.05)
+        orphans = [p.pid for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]
+        assert ready.exists() and len(orphans) == 1, log.read_text()[-3000:]
+        assert psutil.Process(orphans[0]).ppid() == session.pid  # (re-parented to the session's process, not init)
+        session.send_signal(signum)
+        session.wait(timeout=60)
+        time.sleep(0.2)
+        assert alive(orphans) == [], log.read_text()[-3000:]
+    finally:
+        if session.poll() is None:
+            os.killpg(session.pid, signal.SIGKILL)
+            session.wait()
+        for pid in alive(orphans):
+            os.kill(pid, signal.SIGKILL)

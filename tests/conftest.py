@@ -402,6 +402,7 @@ def pytest_collection_modifyitems(config, items):
 # process group), it ends them all before it exits; Ctrl-C, a failure and a normal end reach
 # pytest_unconfigure, which does the same. Each bound: a few seconds.
 _PR_SET_CHILD_SUBREAPER = 36
+_is_controller = False  # this process is pytest-xdist's controller (its children are the workers)
 
 
 def _end_descendants(grace_s: float = 0.0) -> list[tuple[str, int]]:
@@ -461,7 +462,9 @@ def pytest_configure(config):
 
     if hasattr(config, "workerinput"):  # (an xdist worker: the controller is the subreaper)
         return
+    global _is_controller
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _is_controller = bool(getattr(config.option, "numprocesses", None))
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stopped)
 
@@ -502,3 +505,18 @@ def _warm_server_first(request):
     if request.node.get_closest_marker("engine") or request.node.get_closest_marker("launch"):
         warm_server()
     yield
+
+
+def pytest_runtest_logreport(report):
+    """(The xdist controller, as each report comes) reap the orphans re-parented to it that have ended:
+    its own children are the workers, which end only after the last report."""
+    import psutil
+
+    if report.when != "teardown" or os.environ.get("PYTEST_XDIST_WORKER") or not _is_controller:
+        return
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass

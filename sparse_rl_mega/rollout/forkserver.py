@@ -64,7 +64,12 @@ SET_AFTER_PRELOAD = frozenset({
     "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "MLFLOW_TRACKING_URI", "_MLFLOW_TELEMETRY_SESSION_ID",
     "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
     "MLFLOW_HTTP_REQUEST_TIMEOUT"})
-warm_fork.read_after_start(*READ_AFTER_FORK, *SET_AFTER_PRELOAD)
+# set by SGLang's modules as they are imported (its cache folders under the user's cache, log levels), the same
+# values each time: a process that imported SGLang itself (an engine run in a test worker) still imports as
+# the server did
+SET_BY_SGLANG_IMPORT = frozenset({"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "TILELANG_CACHE_DIR",
+                                  "FLASHINFER_WORKSPACE_BASE", "DG_JIT_CACHE_DIR", "DG_JIT_USE_NVRTC", "TLLM_LOG_LEVEL"})
+warm_fork.read_after_start(*READ_AFTER_FORK, *SET_AFTER_PRELOAD, *SET_BY_SGLANG_IMPORT)
 
 
 class EngineProcess(WarmProcess):

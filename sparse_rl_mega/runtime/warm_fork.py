@@ -137,10 +137,11 @@ def start_server(modules: Sequence[str] = ()) -> bool:
     global _server_environment, _how, _starter
     with _lock:
         if server_pid() is None:
-            environment = import_environment()
             if threads_running() == 1:
                 for entry in modules:
                     _import(entry)
+            # (after the imports, which may set variables: a forked server has what they set)
+            _server_environment = import_environment()
             if threads_running() == 1:  # (an import may have started a thread)
                 _fork_server()
                 _how = "forked"
@@ -148,7 +149,6 @@ def start_server(modules: Sequence[str] = ()) -> bool:
                 _starter = _starter or ThreadPoolExecutor(1, thread_name_prefix="warm-server")
                 _starter.submit(_start_server, list(modules)).result()
                 _how = "started"
-            _server_environment = environment
     return serves()
 
 

@@ -30,7 +30,8 @@ matters, the fresh interpreter its caller would have started at that moment:
   descriptors, as ``subprocess`` passes them), ``sys.argv`` (a script's: :func:`run_script`), the
   descriptors it is handed (``multiprocessing.reduction.DupFd``); default signal handlers;
 * does not inherit: the caller's threads, other descriptors, locks, ``atexit`` handlers, its session
-  (with ``new_session``, one of its own);
+  (with ``new_session``, one of its own); the caller's main module is imported as ``__mp_main__``, as
+  multiprocessing does (its work belongs under ``if __name__ == "__main__"``);
 * ends: with the code of ``SystemExit`` (0 for a return, 1 and a traceback for an exception, death by
   SIGINT for an unhandled ``KeyboardInterrupt``), after its non-daemon threads and its own ``atexit``
   handlers, output flushed; without tearing down the modules (seconds, for nothing to flush);
@@ -53,6 +54,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from multiprocessing.reduction import DupFd
@@ -63,20 +65,22 @@ _PR_SET_PDEATHSIG = 1
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # variables read only after a child starts, never as a module is imported: a caller may set them
 # differently from the server's environment (layers above add theirs: read_after_start)
-_read_after_start: set[str] = {"PYTEST_CURRENT_TEST"}
-_server_environment: Optional[dict[str, str]] = None  # what the server's modules were imported under
+_read_after_start: set[str] = {"PYTEST_CURRENT_TEST", "PYTHONWARNINGS"}  # (the latter: become_fresh applies it)
+_server_environment: Optional[dict[str, str]] = None  # what the server's modules were imported under (filtered
+# as they are compared: a variable may be declared read-after-start later)
 _how: Optional[str] = None  # "forked" or "started": how this process's server came to be
 _served_environment: dict[str, str] = {}  # (in the server and its children) os.environ as the server began
+_serving_pid: Optional[int] = None  # (in the server and its children) the server's pid
 _lock = threading.Lock()
 _starter: Optional[ThreadPoolExecutor] = None  # starts a new-interpreter server; lives as long as this process
 
 
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
+def die_with_parent(signum: int = signal.SIGKILL, parent: Optional[int] = None) -> None:
     """This process gets ``signum`` (SIGKILL unless asked otherwise) when the process that started it
-    (the launcher or torchrun agent) ends, however it ends: no learner rank outlives its job (its
-    engine's processes die with it in turn, they ask the same of their parent). A launcher started by a
-    tool asks for SIGTERM, so that it stops its job as a user's SIGTERM would."""
-    parent = os.getppid()
+    (``parent``, if known: it may have ended already) ends, however it ends: no learner rank outlives its
+    job (its engine's processes die with it in turn, they ask the same of their parent). A launcher
+    started by a tool asks for SIGTERM, so that it stops its job as a user's SIGTERM would."""
+    parent = os.getppid() if parent is None else parent
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         return  # not Linux: nothing to ask for
@@ -90,9 +94,9 @@ def read_after_start(*names: str) -> None:
     _read_after_start.update(names)
 
 
-def import_environment() -> dict[str, str]:
-    """This process's environment as modules imported now would read it."""
-    return {k: v for k, v in os.environ.items() if k not in _read_after_start}
+def import_environment(environment: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """This process's environment (or ``environment``) as modules imported under it would read it."""
+    return {k: v for k, v in (os.environ if environment is None else environment).items() if k not in _read_after_start}
 
 
 def threads_running() -> int:
@@ -125,7 +129,7 @@ def how_started() -> Optional[str]:
 def serves() -> bool:
     """Whether a child started now comes from a warm server whose modules were imported under this
     process's environment (as a fresh interpreter started now would import them)."""
-    return server_pid() is not None and _server_environment == import_environment()
+    return server_pid() is not None and import_environment(_server_environment) == import_environment()
 
 
 def start_server(modules: Sequence[str] = ()) -> bool:
@@ -141,7 +145,7 @@ def start_server(modules: Sequence[str] = ()) -> bool:
                 for entry in modules:
                     _import(entry)
             # (after the imports, which may set variables: a forked server has what they set)
-            _server_environment = import_environment()
+            _server_environment = dict(os.environ)
             if threads_running() == 1:  # (an import may have started a thread)
                 _fork_server()
                 _how = "forked"
@@ -183,12 +187,13 @@ def _fork_server() -> None:
     listener, address, alive_r, alive_w = _server_endpoint()
     sys.stdout.flush()  # (else what is buffered here would be written again by every child)
     sys.stderr.flush()
+    caller = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(alive_w)
             _forget_server()  # (its children start with no server of their own: they may make one)
-            _serve(listener.fileno(), alive_r)
+            _serve(listener.fileno(), alive_r, caller)
         finally:
             os._exit(0)
     os.close(alive_r)
@@ -209,7 +214,7 @@ def _start_server(modules: list[str]) -> None:
     listener, address, alive_r, alive_w = _server_endpoint()
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-c", "from sparse_rl_mega.runtime.warm_fork import serve_started; serve_started()",
-               str(listener.fileno()), str(alive_r), *modules]
+               str(os.getpid()), str(listener.fileno()), str(alive_r), *modules]
     process = subprocess.Popen(command, pass_fds=(listener.fileno(), alive_r), stdin=subprocess.DEVNULL, env=environment)
     os.close(alive_r)
     listener.close()
@@ -217,7 +222,7 @@ def _start_server(modules: list[str]) -> None:
     threading.Thread(target=process.wait, daemon=True, name="warm-server-reaper").start()
 
 
-def _serve(listener_fd: int, alive_r: int) -> None:
+def _serve(listener_fd: int, alive_r: int, caller: int) -> None:
     """The server: only its own descriptors, SIGKILL asked for when its parent ends, SIGINT and SIGQUIT
     ignored, no inherited ``atexit`` handler, then multiprocessing's server loop, which returns when
     the process that started it has gone."""
@@ -228,10 +233,10 @@ def _serve(listener_fd: int, alive_r: int) -> None:
                 os.close(fd)
             except OSError:
                 pass
-    global _served_environment
-    die_with_parent()
+    global _served_environment, _serving_pid
+    die_with_parent(parent=caller)
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    _served_environment = dict(os.environ)
+    _served_environment, _serving_pid = dict(os.environ), os.getpid()
     atexit._clear()  # (the handlers of the process it came from are not its children's)
     try:
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
@@ -268,9 +273,10 @@ def caller_stdio() -> tuple[Descriptor, Descriptor, Descriptor]:
 
 def become_fresh(environment: dict[str, str], stdio=None, new_session: bool = False) -> None:
     """(First thing in a child) what a fresh interpreter started by the caller would have: death with the
-    parent, default signal handlers, ``stdio`` (three received descriptors) as 0, 1, 2, ``environment``;
+    parent, default signal handlers, ``stdio`` (three received descriptors) as 0, 1, 2, ``environment``
+    (and the warning filters its ``PYTHONWARNINGS`` names);
     with ``new_session`` a session of its own (a timeout kills its whole group)."""
-    die_with_parent()
+    die_with_parent(parent=_serving_pid)  # (the server may have ended since it forked this process)
     if new_session:
         os.setsid()
     for signum in (signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD,
@@ -283,6 +289,8 @@ def become_fresh(environment: dict[str, str], stdio=None, new_session: bool = Fa
             os.dup2(fd, target)
             os.close(fd)
     take_environment(environment)
+    if environment.get("PYTHONWARNINGS"):  # (what an interpreter does with it as it starts)
+        warnings._processoptions(environment["PYTHONWARNINGS"].split(","))
 
 
 def variables_set_since_start() -> dict[str, str]:
@@ -366,10 +374,10 @@ class WarmProcess(ForkServerProcess):
 
 
 def serve_started() -> None:
-    """The new-interpreter server (:func:`start_server`): ``python -c ... LISTENER_FD ALIVE_FD MODULE...``."""
-    listener_fd, alive_r, *modules = sys.argv[1:]
-    die_with_parent()  # (before the imports: a caller that ends meanwhile takes it along)
+    """The new-interpreter server (:func:`start_server`): ``python -c ... CALLER_PID LISTENER_FD ALIVE_FD MODULE...``."""
+    caller, listener_fd, alive_r, *modules = sys.argv[1:]
+    die_with_parent(parent=int(caller))  # (before the imports: a caller that ends meanwhile takes it along)
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # (already while SGLang imports)
     for entry in modules:
         _import(entry)
-    _serve(int(listener_fd), int(alive_r))
+    _serve(int(listener_fd), int(alive_r), int(caller))

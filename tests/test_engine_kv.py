@@ -428,7 +428,7 @@ def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_sam
         return psutil.Process(next(iter(engine.processes))).ppid()
 
     server = server_of(evicting_engine)
-    assert server != os.getpid() and psutil.Process(server).ppid() == os.getpid()
+    assert server != os.getpid() and psutil.Process(server).ppid() == os.getpid(), evicting_engine.started
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV), seed=0, max_total_tokens=512,
                            max_running_requests=4, name="victim")
     # SGLang's scheduler publishes its load in a /dev/shm file it never removes

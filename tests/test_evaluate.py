@@ -244,7 +244,9 @@ def test_dense_accuracy_equals_transformers_greedy(tiny_model_dir, hf_model, tmp
                     "--sink", "2", "--window", "2", "--interval", "2", "--max-new-tokens", "16", "--reward", "exact_answer",
                     "--out", out, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "(forked from this process)" in proc.stdout  # SGLang imported once (rollout/forkserver.py)
+    # SGLang imported once: the engine's processes are children of a warm server (rollout/forkserver.py; run in
+    # this worker, the worker's: a user's evaluate.py forks its own, "forked from this process")
+    assert "(forked from a preloaded server)" in proc.stdout
     results = json.loads((out / "results.json").read_text())["results"]["sums"]
     assert set(results) == {"dense", "streaming:8"} and (out / "accuracy.png").stat().st_size > 1000
 

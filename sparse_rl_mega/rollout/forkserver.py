@@ -38,6 +38,7 @@ from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.warm_fork import WarmProcess
 
 _started: dict[int, "EngineProcess"] = {}  # pid -> process, for exit codes
+_spawned_because: list[str] = []  # the variables that sent the last engine process to spawn
 _install_lock = threading.Lock()
 # read by SGLang's processes only after the fork, and set anew for each engine: the KV settings (by the
 # plugin, as it loads), the CPU cores of each TP rank (at thread binding), the engine's run id (by its
@@ -116,9 +117,9 @@ def _server_for_this_environment() -> bool:
     started under the first engine's environment as SGLang launches that engine's first process (SGLang
     has set its own variables by then). An import environment other than the server's gets ``spawn``:
     SGLang reads many settings as its modules are imported (e.g. a test's ``SGLANG_TEST_RETRACT``)."""
-    if warm_fork.server_pid() is None:
-        return warm_fork.start_server(ENGINE_PROCESS_PRELOAD)
-    return warm_fork.serves()
+    serves = warm_fork.start_server(ENGINE_PROCESS_PRELOAD)  # (one that runs already stays)
+    _spawned_because[:] = [] if serves else warm_fork.differences()
+    return serves
 
 
 def use_forkserver() -> None:
@@ -156,7 +157,8 @@ def forked(pid: int) -> bool:
 def how_started(pids) -> str:
     """How the engine processes ``pids`` started, for the engine's start-up line."""
     if not any(forked(pid) for pid in pids):
-        return "spawned"
+        differ = ", ".join(_spawned_because[:5]) + (" ..." if len(_spawned_because) > 5 else "")
+        return f"spawned: SGLang imports under other values of {differ} than its warm server" if differ else "spawned"
     return "forked from this process" if warm_fork.how_started() == "forked" else "forked from a preloaded server"
 
 

@@ -132,6 +132,14 @@ def serves() -> bool:
     return server_pid() is not None and import_environment(_server_environment) == import_environment()
 
 
+def differences() -> list[str]:
+    """The variables whose values differ between this process's import environment and the server's."""
+    if _server_environment is None:
+        return []
+    theirs, ours = import_environment(_server_environment), import_environment()
+    return sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+
+
 def start_server(modules: Sequence[str] = ()) -> bool:
     """Make this process's server a warm one that imported ``modules`` (names; ``"module:function"``
     also calls that function after the import, e.g. to import a library under other variables), forked

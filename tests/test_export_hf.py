@@ -155,8 +155,10 @@ def _fake_checkpoint(root: Path, marker: dict) -> Path:
     return folder
 
 
-def test_export_errors(tmp_path, capsys):
+def test_export_errors(tmp_path, capsys, monkeypatch):
     from tools.export_hf import main
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # (main() sets it as a user's process; this test's ends with it)
 
     # as a user runs it: no checkpoint at the path (an empty folder, and an unfinished iter_* folder)
     empty = tmp_path / "nothing"

@@ -65,7 +65,9 @@ _PR_SET_PDEATHSIG = 1
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # variables read only after a child starts, never as a module is imported: a caller may set them
 # differently from the server's environment (layers above add theirs: read_after_start)
-_read_after_start: set[str] = {"PYTEST_CURRENT_TEST", "PYTHONWARNINGS"}  # (the latter: become_fresh applies it)
+# PYTHONWARNINGS: become_fresh applies it; CUDA_VISIBLE_DEVICES: torch reads it as CUDA initialises (nothing is
+# forked where CUDA is available)
+_read_after_start: set[str] = {"PYTEST_CURRENT_TEST", "PYTHONWARNINGS", "CUDA_VISIBLE_DEVICES"}
 _server_environment: Optional[dict[str, str]] = None  # what the server's modules were imported under (filtered
 # as they are compared: a variable may be declared read-after-start later)
 _how: Optional[str] = None  # "forked" or "started": how this process's server came to be

@@ -407,7 +407,9 @@ _is_controller = False  # this process is pytest-xdist's controller (its childre
 
 def _end_descendants(grace_s: float = 0.0) -> list[tuple[str, int]]:
     """SIGKILL every descendant of this process (after ``grace_s`` s for those about to end by
-    themselves), reap the children; ``(name, pid)`` of those that were killed."""
+    themselves), multiprocessing's resource trackers last: they unlink the named semaphores
+    (/dev/shm/sem.mp-*) of the processes that died once those have gone. Reap the children; ``(name,
+    pid)`` of those that were killed."""
     import time
 
     import psutil
@@ -418,24 +420,51 @@ def _end_descendants(grace_s: float = 0.0) -> list[tuple[str, int]]:
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
+    trackers = [p for p in left if _is_resource_tracker(p)]
     killed = []
-    for process in left:
+    for process in [p for p in left if p not in trackers]:
         try:
             killed.append((process.name(), process.pid))
             process.kill()
         except psutil.Error:  # (ended meanwhile)
             pass
+    deadline = time.monotonic() + 5.0  # (a tracker ends once every process that used it has)
+    while any(_running(p) for p in trackers) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.05)
+    for process in trackers:
+        try:
+            if _running(process):
+                killed.append((process.name(), process.pid))
+                process.kill()
+        except psutil.Error:
+            pass
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
+        if not _reap() and not any(_running(p) for p in psutil.Process().children(recursive=True)):
+            break
+        time.sleep(0.05)
+    return killed
+
+
+def _reap() -> bool:
+    """Reap this process's ended children; whether any is left to wait for."""
+    while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            break
+            return False
         if pid == 0:
-            if not any(_running(p) for p in psutil.Process().children(recursive=True)):
-                break
-            time.sleep(0.05)
-    return killed
+            return True
+
+
+def _is_resource_tracker(process) -> bool:
+    import psutil
+
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _running(process) -> bool:
@@ -488,14 +517,7 @@ def _warm_server_pid() -> Optional[int]:
 def _resource_trackers() -> list[int]:
     import psutil
 
-    trackers = []
-    for process in psutil.Process().children():
-        try:
-            if "resource_tracker" in " ".join(process.cmdline()):
-                trackers.append(process.pid)
-        except psutil.Error:  # (ended meanwhile)
-            pass
-    return trackers
+    return [p.pid for p in psutil.Process().children() if _is_resource_tracker(p)]
 
 
 @pytest.fixture(autouse=True)

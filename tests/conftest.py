@@ -98,7 +98,7 @@ def run_captured(command: list, timeout: int, env: Optional[dict] = None) -> sub
 # processes' environment, the ranks' modules: train/forked_ranks.py): torchrun's agent, export's writer,
 # the learner helpers' modules and transformers' models they compare against
 SUITE_PRELOAD = ("safetensors.torch", "torch.distributed.run", "torch.distributed.launcher.api",
-                 "sparse_rl_mega.learner.step", "sparse_rl_mega.learner.weights",
+                 "sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step", "sparse_rl_mega.learner.weights",
                  "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                  "transformers.models.qwen3.modeling_qwen3")
 
@@ -223,12 +223,6 @@ def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None
     return run_in_process(call, timeout, env, f"{Path(script).name} {' '.join(map(str, args))}")
 
 
-# the learner helpers' modules (tests/helpers), which their ranks import
-HELPER_MODULES = ("sparse_rl_mega.learner.model", "sparse_rl_mega.learner.step", "sparse_rl_mega.learner.weights",
-                  "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-                  "transformers.models.qwen3.modeling_qwen3")
-
-
 def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` on loopback with a free port (output captured):
     torchrun's agent in this process, its ranks children of this worker's warm server, as
@@ -244,7 +238,8 @@ def run_torchrun(script: Path, *args, nproc: int = 2, timeout: int = 300) -> sub
     warm_server()
 
     def call():
-        return run_script_ranks(nproc, str(script), [str(a) for a in args], start_rank_server(HELPER_MODULES), "torchrun")
+        # (the modules: the worker's server runs already, with SUITE_PRELOAD: warm_server)
+        return run_script_ranks(nproc, str(script), [str(a) for a in args], start_rank_server(()), "torchrun")
 
     return run_in_process(call, timeout, name=f"torchrun {Path(script).name}")
 
@@ -416,7 +411,7 @@ def _end_descendants(grace_s: float = 0.0) -> list[tuple[str, int]]:
 
     deadline = time.monotonic() + grace_s
     while True:
-        left = [p for p in psutil.Process().children(recursive=True) if _running(p)]
+        left = [p for p in psutil.Process().children(recursive=True) if alive([p.pid])]
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
@@ -429,19 +424,19 @@ def _end_descendants(grace_s: float = 0.0) -> list[tuple[str, int]]:
         except psutil.Error:  # (ended meanwhile)
             pass
     deadline = time.monotonic() + 5.0  # (a tracker ends once every process that used it has)
-    while any(_running(p) for p in trackers) and time.monotonic() < deadline:
+    while alive([p.pid for p in trackers]) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.05)
     for process in trackers:
         try:
-            if _running(process):
+            if alive([process.pid]):
                 killed.append((process.name(), process.pid))
                 process.kill()
         except psutil.Error:
             pass
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
-        if not _reap() and not any(_running(p) for p in psutil.Process().children(recursive=True)):
+        if not _reap() and not alive([p.pid for p in psutil.Process().children(recursive=True)]):
             break
         time.sleep(0.05)
     return killed
@@ -463,15 +458,6 @@ def _is_resource_tracker(process) -> bool:
 
     try:
         return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
-    except psutil.Error:
-        return False
-
-
-def _running(process) -> bool:
-    import psutil
-
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

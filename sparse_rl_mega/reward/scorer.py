@@ -193,17 +193,8 @@ def _stop_workers(workers: list, owner_pid: int) -> None:
     for pid in pids:
         _kill(pid)
     deadline = time.monotonic() + 5.0  # (not our children: gone once the kernel has delivered SIGKILL)
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(warm_fork.running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class MathScorer(Scorer):

@@ -109,18 +109,19 @@ def threads_running() -> int:
         return 0
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def server_pid() -> Optional[int]:
     """The pid of this process's server while it runs; None before one runs or once it has ended."""
     pid = multiprocessing.forkserver._forkserver._forkserver_pid
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                return pid
-    except OSError:
-        pass
-    return None
+    return pid if pid is not None and running(pid) else None
 
 
 def how_started() -> Optional[str]:

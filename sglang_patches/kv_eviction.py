@@ -64,6 +64,7 @@ class EngineKVStats:
         self.copied_tokens = 0
         self.skipped_no_room = 0
         self.retractions = 0
+        self.decode_steps = 0  # decode batches run (a caller can see a generation progress)
         # wall time spent in this patch: before decode steps (compression, H2O's attention mass) and in
         # the attention hook (query recording); the benchmark reports them next to the run time
         self.compress_seconds = 0.0
@@ -83,7 +84,8 @@ class EngineKVStats:
         self.h2o_mass_bytes = sum(t.numel() * t.element_size() for t in buffers)
         self.h2o_mass_peak_bytes = max(self.h2o_mass_peak_bytes, self.h2o_mass_bytes)
 
-    def observe_pool(self, pool: sglang.KVPool) -> None:
+    def observe_pool(self, pool: sglang.KVPool) -> None:  # (after every decode step's allocation)
+        self.decode_steps += 1
         self.pool_size = pool.size
         self.peak_slots_in_use = max(self.peak_slots_in_use, self.pool_size - pool.available())
 

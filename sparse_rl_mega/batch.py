@@ -32,6 +32,8 @@ class GeneratedSample:
     finish_reason: str
     cached_tokens: int = 0  # prompt tokens served from the radix (prefix) cache
     weight_version: str = ""  # the engine's weight version when the sample finished
+    # the weight version that sampled each response token (a partial rollout's sample spans several)
+    token_versions: Optional[list[int]] = None
     # with top-k / top-p: the token ids the truncation kept at each response position (SGLang's
     # sampling mask); ``logp_sparse`` is then the logprob renormalised over them. None: whole vocabulary
     support: Optional[list[list[int]]] = None

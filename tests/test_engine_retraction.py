@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from sparse_rl_mega.rollout import sglang_internals
 from tests.conftest import ENGINE_KV
 
 
@@ -68,7 +69,7 @@ def test_soak_mixed_policies_retractions_and_client_aborts(retracting_engine):
                            "sampling_seed": requests, "custom_params": {"sparse_rl_kv": {"policy": policy}}})
             rids.append(f"soak-{wave}-{len(rids)}")
             requests += n
-        pending = engine._submit(engine.engine.generate, input_ids=prompts, sampling_params=params, rid=rids)
+        pending = engine._submit(sglang_internals.generate(engine.engine, prompts, params, rids))
         time.sleep(0.5)  # the wave is running: the client gives up on some of it
         manager, loop = engine.engine.tokenizer_manager, engine.engine.loop
         for rid in rng.sample(rids, len(rids) // 10):

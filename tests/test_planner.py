@@ -129,7 +129,7 @@ def pool_engine(tiny_model_dir):
 
 
 def test_kv_bytes_match_the_engines_pool(pool_engine, tiny_model_dir, tiny_arch):
-    state = pool_engine.engine.get_server_info()["internal_states"][0]
+    state = pool_engine.internal_state()
     allocated = state["sparse_rl_kv"]
     cfg = _tiny_run_config(tiny_model_dir, tiny_arch, max_total_tokens=POOL_TOKENS,
                            kv_compression={"policy": "rkv", "budget": 12, "sink": 2, "window": 4, "interval": 2})

@@ -42,11 +42,13 @@ class ReferenceDecoder:
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     @torch.no_grad()
-    def _forward(self, ids: Sequence[int], positions: Sequence[int], state: dict) -> torch.Tensor:
-        """Run ``ids`` at ``positions``, appending to the cache in ``state``; returns logits
-        ``[len(ids), vocab]`` (float32). A single-token call is a decode step: its queries are
-        recorded and, for H2O, its attention is accumulated."""
-        inner = self.model.model
+    def _forward(self, ids: Sequence[int], positions: Sequence[int], state: dict,
+                 model: Optional[torch.nn.Module] = None) -> torch.Tensor:
+        """Run ``ids`` at ``positions`` through ``model`` (default: the decoder's), appending to the
+        cache in ``state``; returns logits ``[len(ids), vocab]`` (float32). A single-token call is a
+        decode step: its queries are recorded and, for H2O, its attention is accumulated."""
+        model = model if model is not None else self.model
+        inner = model.model
         n = len(ids)
         decode = state["prefilled"]
         hidden = inner.embed_tokens(torch.tensor([list(ids)]))
@@ -77,7 +79,7 @@ class ReferenceDecoder:
                 acc = state["acc"][layer_idx]
                 state["acc"][layer_idx] = torch.cat([acc, acc.new_zeros(acc.shape[0], total - acc.shape[1])], 1) + mass
         state["prefilled"] = True
-        return self.model.lm_head(inner.norm(hidden))[0].float()
+        return model.lm_head(inner.norm(hidden))[0].float()
 
     def _compress(self, state: dict, policy: EvictionPolicy, budget: int) -> int:
         """Compress every layer's cache to ``budget`` (per the policy's ``selection``); returns the
@@ -104,10 +106,14 @@ class ReferenceDecoder:
     @torch.no_grad()
     def logits(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
                policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1,
-               newline_token_ids: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
+               newline_token_ids: Sequence[int] = (),
+               later_model: Optional[tuple[int, torch.nn.Module]] = None) -> tuple[torch.Tensor, int]:
         """The logits ``[len(output_ids), vocab]`` (float32) that predict each ``output_ids[t]`` given the
         prompt and earlier outputs, compressing as the engine does (``policy`` None: dense;
-        ``newline_token_ids``: the newline trigger's tokens). Returns ``(logits, evicted_token_count)``."""
+        ``newline_token_ids``: the newline trigger's tokens). ``later_model`` ``(t, model)``: the decode
+        steps that predict ``output_ids[t:]`` run through ``model`` on the cache as it is (new weights
+        after a push mid-response, the KV computed before kept: a partial rollout's stale KV). Returns
+        ``(logits, evicted_token_count)``."""
         layers = len(self.model.model.layers)
         empty = torch.zeros(self.num_kv_heads, 0, self.head_dim)
         state = {"k": [empty] * layers, "v": [empty] * layers, "queries": [[] for _ in range(layers)],
@@ -121,17 +127,20 @@ class ReferenceDecoder:
                                                       output_ids[t - 1] in newline_token_ids):
                 evicted += self._compress(state, policy, budget)
             position = len(prompt_ids) + t - 1
-            steps.append(self._forward([output_ids[t - 1]], [position], state)[-1])
+            model = later_model[1] if later_model is not None and t >= later_model[0] else None
+            steps.append(self._forward([output_ids[t - 1]], [position], state, model)[-1])
         return torch.stack(steps), evicted
 
     def logprobs(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
                  policy: Optional[EvictionPolicy] = None, budget: int = 0, interval: int = 1,
                  newline_token_ids: Sequence[int] = (), temperature: float = 1.0,
-                 supports: Optional[Sequence[Sequence[int]]] = None) -> tuple[list[float], int]:
+                 supports: Optional[Sequence[Sequence[int]]] = None,
+                 later_model: Optional[tuple[int, torch.nn.Module]] = None) -> tuple[list[float], int]:
         """Logprob of each ``output_ids[t]`` under ``softmax(logits / temperature)`` (:meth:`logits`),
         renormalised over ``supports[t]`` when given (the ids a top-k / top-p truncation kept), as the
         engine samples. Returns ``(logprobs, evicted_token_count)``."""
-        logits, evicted = self.logits(prompt_ids, output_ids, policy, budget, interval, newline_token_ids)
+        logits, evicted = self.logits(prompt_ids, output_ids, policy, budget, interval, newline_token_ids,
+                                      later_model)
         scaled = logits / temperature
         if supports is not None:
             outside = torch.ones_like(scaled, dtype=torch.bool)

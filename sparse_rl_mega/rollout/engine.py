@@ -1,7 +1,10 @@
 """One SGLang rollout engine with the sparse-rl-mega KV patch, and the calls the trainer makes on it.
 
 The engine runs in SGLang's own processes: tokenizer manager here, scheduler and detokenizer spawned
-(GPU) or forked from a server that imported SGLang once (CPU: ``rollout/forkserver.py``).
+(GPU) or forked from a server that imported SGLang once (CPU: ``rollout/forkserver.py``). The tokenizer
+manager's event loop runs on one thread of this process for the engine's life, and every call is a
+coroutine on it (``sglang_internals``): a weight push, a pause or a probe runs while a generation
+waits, as they would on SGLang's server.
 KV-compression settings reach the scheduler through the environment (see ``sparse_rl_mega.kv.engine_settings``);
 the plugin itself is loaded there through SGLang's entry point.
 """
@@ -9,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import os
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Optional, Sequence
+from typing import Awaitable, Optional, Sequence
 
 import torch
 
@@ -41,6 +46,11 @@ DEFAULT_ENGINE_TIMEOUT_S = 600.0  # no answer for this long is a hang (a 70B buc
 _POLL_S = 0.25  # how often a waiting call checks the engine's processes
 
 FLUSH_WAIT_S = 30.0  # an idle engine empties its prefix cache at the second attempt
+
+# rollout.partial's KV choices at a weight push (docs/algorithm.md "Partial rollouts") and SGLang's
+# pause mode for each: the paused requests keep their compressed KV as it is ("stale"), or are
+# retracted and prefilled again, prompt and output so far, under the new weights ("reprefill")
+PAUSE_MODES = {"stale": "in_place", "reprefill": "retract"}
 
 # torchrun's variables describe the learner's process group; SGLang's spawned processes read some of
 # them (RANK, WORLD_SIZE, MASTER_PORT, ...) when they build their own group and would wait for peers
@@ -102,8 +112,15 @@ class RolloutEngine:
         keep_process_on_child_crash()  # replaces SGLang's kill-everything handler (main thread only)
         self.tp_size = tp_size
         self.name, self.timeout_s = name, timeout_s
-        # every call to SGLang runs on this one thread while the caller watches the engine's processes
-        self._caller = ThreadPoolExecutor(1, thread_name_prefix="engine-call")
+        # every call to SGLang is a coroutine on the engine's loop, run by this thread for the engine's
+        # life, while the caller watches the engine's processes
+        self._loop_thread = threading.Thread(target=_run_loop, args=(sglang_internals.engine_loop(self.engine),),
+                                             name=f"{name}-loop", daemon=True)
+        self._loop_thread.start()
+        self.in_flight: list[PendingGeneration] = []  # generations started and not finished
+        self._rids = itertools.count()
+        self.paused: Optional[str] = None  # the KV choice of a pause (PAUSE_MODES) until resume()
+        self.flush_owed = False  # a flush asked while requests ran: done before the next generation starts
         self.failure: Optional[EngineFailure] = None
         self.processes = process_names(self.engine.get_all_child_pids())  # {pid: name}
         self.on_cpu = on_cpu
@@ -132,8 +149,9 @@ class RolloutEngine:
                        ) -> "PendingGeneration":
         """Start sampling ``n_samples`` responses per prompt, groups contiguous (prompt-major order), and
         return at once: the engine decodes in its own processes while the caller works (overlapped
-        rollouts); :meth:`PendingGeneration.result` waits, watching the engine as every call does. No
-        other call may be made on this engine before that.
+        rollouts); :meth:`PendingGeneration.result` waits, watching the engine as every call does. Other
+        calls run meanwhile (a weight push with :meth:`pause`, a probe); a flush is then owed
+        (:meth:`flush_cache`).
 
         All samples of a prompt are sent in one call so the group's shared prompt is prefilled once
         and then served from the radix cache. ``kv_override`` (e.g. ``{"policy": "rkv", "budget": 64}``
@@ -157,6 +175,8 @@ class RolloutEngine:
         if kv_override is not None:
             check_request_kv(self.kv, kv_override)  # raises here, not in the scheduler
             custom = {REQUEST_KEY: dict(kv_override)}
+        if self.flush_owed and not self.in_flight:
+            self.flush_cache("rollout")  # nothing cached under older weights may serve these requests
         input_ids, params = [], []
         for p_index, ids in enumerate(prompts_ids):
             for s in range(n_samples):
@@ -171,19 +191,18 @@ class RolloutEngine:
                     sp["sampling_seed"] = seed + (prompt_offset + p_index) * n_samples + s
                 params.append(sp)
         started_at = time.time()
-        if report_support:
-            future = self._submit(sglang_internals.generate_with_support, self.engine, input_ids, params)
-        else:
-            future = self._submit(self.engine.generate, input_ids=input_ids, sampling_params=params,
-                                  return_logprob=True)
+        rids = [f"{self.name}-{next(self._rids)}" for _ in input_ids]
+        future = self._submit(sglang_internals.generate(self.engine, input_ids, params, rids, report_support))
         return PendingGeneration(self, future, input_ids, n_samples, started_at, report_support)
 
     def dense_logprobs(self, token_ids: Sequence[int], phase: str = "logprob check") -> list[float]:
         """Logprob of ``token_ids[1:]`` given their prefixes, from one (never compressed) prefill
         (``phase``: what a failure names)."""
-        out = self._call(phase, self.engine.generate, input_ids=list(token_ids),
-                         sampling_params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
-                         logprob_start_len=0)
+        if self.paused:
+            raise RuntimeError(f"{self.name} is paused: a probe request would wait until resume()")
+        out = self._call(phase, sglang_internals.generate(self.engine, list(token_ids),
+                                                          {"max_new_tokens": 1, "temperature": 0.0},
+                                                          logprob_start_len=0))
         values = [entry[0] for entry in out["meta_info"]["input_token_logprobs"]]
         return [float(v) for v in values[1:]]  # the first token has no prediction
 
@@ -195,7 +214,7 @@ class RolloutEngine:
         self.wait_begin_update(self.submit_begin_update())
 
     def submit_begin_update(self) -> Future:
-        return self._submit(self.engine.begin_weight_update)
+        return self._submit(sglang_internals.begin_weight_update(self.engine))
 
     def wait_begin_update(self, submitted: Future) -> None:
         ok, message = self._wait("weight push", submitted)
@@ -203,11 +222,36 @@ class RolloutEngine:
             raise RuntimeError(f"{self.name} could not begin a weight update: {message}")
 
     def end_update(self, version: int) -> None:
-        """Close the session, flush the prefix cache (no KV computed with the old weights is reused) and
-        note ``version``, which the last bucket gave the engine (every later sample reports it)."""
-        self._call("weight push", self.engine.end_weight_update)
+        """Close the session, flush the prefix cache (no KV computed with the old weights is reused; with
+        requests in flight, before the next generation starts: :meth:`flush_cache`) and note ``version``,
+        which the last bucket gave the engine (every later sample reports it)."""
+        self._call("weight push", sglang_internals.end_weight_update(self.engine))
         self.flush_cache("weight push")
         self.weight_version = version
+
+    # ------------------------------------------------------------------ partial rollouts
+    def pause(self, kv: str) -> int:
+        """Pause the generations in flight before a weight push (``rollout.partial``): ``kv`` "stale"
+        keeps each request's KV, compressed as it is, and its eviction state; "reprefill" retracts them
+        (SGLang frees their KV; the KV patch counts a retraction and starts their eviction state anew)
+        and :meth:`resume` prefills prompt and output so far again under the new weights. Tokens sampled
+        after the push report its version (``GeneratedSample.token_versions``). Returns the number of
+        generations paused (0: none in flight, nothing to pause)."""
+        if kv not in PAUSE_MODES:
+            raise ValueError(f"unknown partial-rollout KV choice {kv!r}; expected one of {sorted(PAUSE_MODES)}")
+        if not self.in_flight:
+            return 0
+        self._call("pause", sglang_internals.pause_generation(self.engine, PAUSE_MODES[kv]))
+        self.paused = kv
+        return len(self.in_flight)
+
+    def resume(self) -> None:
+        """Continue the paused generations (after the push). Retracted requests are prefilled from the
+        prefix cache the push emptied (:meth:`end_update`), so no KV of the old weights serves them."""
+        if self.paused is None:
+            return
+        self._call("resume", sglang_internals.continue_generation(self.engine))
+        self.paused = None
 
     def submit_flat_bucket(self, payloads: list[bytes], version: Optional[int] = None) -> Future:
         """Ask the engine to load one flattened bucket that its ranks read from a shared buffer
@@ -241,9 +285,9 @@ class RolloutEngine:
         """Ask this engine's ranks to join the weight group whose member 0 listens at
         ``master_address:master_port``, as members ``rank_offset .. rank_offset + tp - 1`` (on the call
         thread: it returns once every member joined)."""
-        with without_launcher_env():
-            return self._submit(self.engine.init_weights_update_group, master_address, master_port, rank_offset,
-                                world_size, group_name, backend)
+        with without_launcher_env():  # (the scheduler joins; this process only sends the request)
+            return self._submit(sglang_internals.join_weight_group(self.engine, master_address, master_port,
+                                                                   rank_offset, world_size, group_name, backend))
 
     def wait_join_weight_group(self, joining: Future) -> None:
         ok, message = self._wait("weight group", joining)
@@ -252,15 +296,15 @@ class RolloutEngine:
 
     def release_memory(self) -> None:
         """Free the weights and KV pool for the colocated learner's training phase (GPU, memory saver)."""
-        self._call("memory release", self.engine.release_memory_occupation)
+        self._call("memory release", sglang_internals.release_memory(self.engine))
 
     def resume_memory(self) -> None:
         """Take the memory back before the next weight push and rollout."""
-        self._call("memory resume", self.engine.resume_memory_occupation)
+        self._call("memory resume", sglang_internals.resume_memory(self.engine))
 
     def served_weight_version(self) -> str:
         """The weight version the engine reports serving."""
-        return str(self._call("weight push", self.engine.get_model_info)["weight_version"])
+        return sglang_internals.served_weight_version(self.engine)
 
     def flush_cache(self, phase: str = "cache flush") -> None:
         """Empty the prefix cache (the next rollout starts from the same state whatever ran before).
@@ -269,19 +313,32 @@ class RolloutEngine:
         (until its next idle pass), answering ``success=False`` with a warning our log level hides: a
         flush sent right after a request used to fail now and then, leaving that request's prefix cached
         (rollouts then depended on timing). Each attempt wakes the scheduler, whose idle pass clears that
-        batch: ask again until it succeeds, for at most ``FLUSH_WAIT_S``."""
+        batch: ask again until it succeeds, for at most ``FLUSH_WAIT_S``.
+
+        While generations are in flight (a partial rollout goes on after a push) the flush is owed
+        instead: it is done before the next generation starts, when the engine is idle again. Until
+        then only the running requests use the engine, and they match no prefix. Requests retracted
+        by a "reprefill" pause are waiting, not running: SGLang flushes then, and must (they are
+        prefilled again at resume and would match the old weights' prompt KV)."""
+        if self.in_flight and self.paused != "reprefill":
+            self.flush_owed = True
+            return
         deadline = time.time() + FLUSH_WAIT_S
-        while not self._call(phase, self.engine.flush_cache).success:
+        while not self._call(phase, sglang_internals.flush_cache(self.engine)):
             if time.time() > deadline:
                 self._fail(phase, f"its prefix cache could not be emptied for {FLUSH_WAIT_S:g} s (requests "
                                   f"still running)")
             time.sleep(0.005)
+        self.flush_owed = False
 
     # ------------------------------------------------------------------ stats and lifetime
     def kv_stats(self) -> dict:
         """Engine KV statistics: cumulative eviction counters and the peak pool use since last call."""
-        states = self._call("rollout", self.engine.get_server_info)["internal_states"]
-        return dict(states[0].get("sparse_rl_kv", {}))
+        return dict(self.internal_state().get("sparse_rl_kv", {}))
+
+    def internal_state(self) -> dict:
+        """The first scheduler's internal state (SGLang's, with the KV patch's ``sparse_rl_kv``)."""
+        return self._call("rollout", sglang_internals.internal_states(self.engine))[0]
 
     def shutdown(self) -> None:
         # a failed engine may not answer: its processes are killed instead. SGLang's own shutdown kills
@@ -342,33 +399,39 @@ class RolloutEngine:
                 pass
 
     def _release_loop(self) -> None:
-        """Cancel the tokenizer manager's tasks and close its event loop, on the call thread (bounded:
-        a call stuck on a dead engine was cancelled by :meth:`_fail`), so that nothing is left pending."""
+        """Cancel the tokenizer manager's tasks, stop the engine's loop and its thread (bounded: a call
+        stuck on a dead engine was cancelled by :meth:`_fail`) and close the loop."""
         loop = sglang_internals.engine_loop(self.engine)
 
-        def close() -> None:
-            tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        async def cancel_the_others() -> None:
+            tasks = [task for task in asyncio.all_tasks(loop) if task is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
-            if tasks:
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._loop_thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_the_others(), loop).result(timeout=5)
+            except Exception:  # noqa: BLE001 (a task that does not end: the loop stops anyway)
+                pass
+            loop.call_soon_threadsafe(loop.stop)
+            self._loop_thread.join(timeout=5)
+        if not loop.is_running():
             loop.close()
-        try:
-            self._caller.submit(close).result(timeout=5)
-        except Exception:  # noqa: BLE001 (a stuck call thread: the loop is left to the process's end)
-            pass
-        self._caller.shutdown(wait=False)
+        self.in_flight = []
 
     # ------------------------------------------------------------------ calls with deadlines
-    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+    def _submit(self, call: Awaitable) -> Future:
+        """Run the coroutine ``call`` on the engine's loop; its future at once."""
         if self.failure is not None:
+            call.close()
             raise self.failure
 
-        def call():
-            if self.failure is not None:  # queued before the engine failed: never sent to it (it would hang
-                raise self.failure        # this thread, and the process's exit that waits for it)
-            return fn(*args, **kwargs)
-        return self._caller.submit(call)
+        async def checked():
+            if self.failure is not None:  # queued before the engine failed: never sent to it
+                call.close()
+                raise self.failure
+            return await call
+        return asyncio.run_coroutine_threadsafe(checked(), sglang_internals.engine_loop(self.engine))
 
     def _wait(self, phase: str, future: Future):
         """The result of a submitted call; :class:`EngineFailure` naming ``phase`` when an engine process
@@ -379,13 +442,15 @@ class RolloutEngine:
                 return future.result(timeout=_POLL_S)
             except FutureTimeout:
                 pass
+            except CancelledError:  # by _fail: the engine failed meanwhile
+                raise self.failure or EngineFailure(self.name, phase, "its call was cancelled") from None
             reason = self._health(started)
             if reason is not None:
                 self._fail(phase, reason)
             watchdog.beat()  # an engine that answers within rollout.engine_timeout_s is progress
 
-    def _call(self, phase: str, fn: Callable, *args, **kwargs):
-        return self._wait(phase, self._submit(fn, *args, **kwargs))
+    def _call(self, phase: str, call: Awaitable):
+        return self._wait(phase, self._submit(call))
 
     def _health(self, waiting_since: float) -> Optional[str]:
         """Why the engine cannot answer (a process gone, or silent for ``timeout_s``), else None."""
@@ -408,7 +473,7 @@ class RolloutEngine:
         return None
 
     def _fail(self, phase: str, reason: str):
-        """Mark the engine failed and raise; the call thread's pending work is cancelled."""
+        """Mark the engine failed and raise; the work pending on its loop is cancelled."""
         self.failure = EngineFailure(self.name, phase, reason)
         loop = sglang_internals.engine_loop(self.engine)
         loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
@@ -417,6 +482,12 @@ class RolloutEngine:
 
 def _version(version: Optional[int]) -> Optional[str]:
     return None if version is None else str(version)
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The engine's loop thread: the tokenizer manager's loop, current here, until the engine stops it."""
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
 
 
 class PendingGeneration:
@@ -428,10 +499,13 @@ class PendingGeneration:
         self.engine, self.future, self.input_ids, self.n_samples = engine, future, input_ids, n_samples
         self.started_at, self.report_support = started_at, report_support
         self.finished_at: Optional[float] = None
+        engine.in_flight.append(self)  # (before the callback: a future done already calls it at once)
         future.add_done_callback(self._finished)
 
-    def _finished(self, future: Future) -> None:  # (on the engine's call thread)
+    def _finished(self, future: Future) -> None:  # (on the engine's loop thread)
         self.finished_at = time.time()
+        if self in self.engine.in_flight:
+            self.engine.in_flight.remove(self)
 
     def result(self) -> list[GeneratedSample]:
         """Wait for the samples; :class:`EngineFailure` as for any engine call."""
@@ -456,5 +530,6 @@ class PendingGeneration:
                 prompt_index=k // self.n_samples, prompt_ids=self.input_ids[k],
                 response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=logp, support=support,
                 response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-                cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", ""))))
+                cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", "")),
+                token_versions=[int(v or 0) for v in sglang_internals.token_versions(meta, len(token_logprobs))]))
         return samples

@@ -440,22 +440,127 @@ def set_engine_multiprocessing(mp: Any) -> None:
     importlib.import_module(ENGINE_MODULE).mp = mp
 
 
-def run_on_engine_loop(engine: Any, call: Callable[[Any], Any]) -> Any:
-    """Run the coroutine ``call(tokenizer_manager)`` to completion on the engine's event loop."""
-    return engine.loop.run_until_complete(call(engine.tokenizer_manager))
+# The engine's calls: coroutines that its owner runs on the engine's event loop (rollout/engine.py runs
+# that loop on one thread for the engine's life, so that a pause or a weight push can run while a
+# generation waits). Each builds the request as SGLang's ``Engine`` method of that name does.
 
-
-def generate_with_support(engine: Any, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
-    """``engine.generate`` with each request's sampling support (``return_sampling_mask``, "selected"
-    mode): every output's ``meta_info`` gains ``output_token_sampling_mask`` (the ids the top-k / top-p
-    truncation kept at each step) and ``output_token_sampling_logprobs`` (the sampled token's logprob
-    renormalised over them). SGLang's ``Engine.generate`` does not pass these fields through
-    (``entrypoints/engine.py``), so the request is built here as it builds it."""
+async def generate(engine: Any, input_ids: list, sampling_params: Any, rids: Optional[list[str]] = None,
+                   report_support: bool = False, logprob_start_len: Optional[int] = None) -> Any:
+    """``Engine.generate`` with logprobs (one output per request, in order; a single request given as
+    one id list answers one output). With ``report_support`` every output's ``meta_info`` gains
+    ``output_token_sampling_mask`` (the ids the top-k / top-p truncation kept at each step) and
+    ``output_token_sampling_logprobs`` (the sampled token's logprob renormalised over them): SGLang's
+    ``Engine.generate`` does not pass these fields through (``entrypoints/engine.py``). An output of a
+    request that lived through a weight update carries ``meta_info["weight_versions"]``: the spans of
+    its output tokens by the version that sampled them (``utils/weight_versions.py``)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    support = {"return_sampling_mask": True, "sampling_logprobs_mode": "selected"} if report_support else {}
     request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
-                               return_sampling_mask=True, sampling_logprobs_mode="selected")
-    return run_on_engine_loop(engine, lambda manager: manager.generate_request(request, None).__anext__())
+                               logprob_start_len=logprob_start_len, rid=rids, **support)
+    return await engine.tokenizer_manager.generate_request(request, None).__anext__()
+
+
+async def flush_cache(engine: Any) -> bool:
+    """Whether the scheduler emptied its prefix cache (it refuses while requests run or wait)."""
+    return bool((await engine.tokenizer_manager.flush_cache()).success)
+
+
+async def internal_states(engine: Any) -> list[dict]:
+    """Each scheduler's internal state (``get_server_info()["internal_states"]``)."""
+    return await engine.tokenizer_manager.get_internal_state()
+
+
+async def begin_weight_update(engine: Any) -> tuple[bool, str]:
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+    return await engine.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
+
+
+async def end_weight_update(engine: Any) -> tuple[bool, str]:
+    from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+    return await engine.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None)
+
+
+async def load_flattened_bucket(engine: Any, payloads: list[bytes], version: Optional[str]) -> tuple[bool, str]:
+    """Hand the engine one flattened bucket per TP rank (shared memory or CUDA IPC); ``version``: the
+    weight version it serves from then on (the last bucket)."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format="flattened_bucket",
+                                              flush_cache=False, weight_version=version)
+    return await engine.tokenizer_manager.update_weights_from_tensor(request, None)
+
+
+async def receive_flattened_bucket(engine: Any, names: Iterable[str], dtype: str, shapes: Iterable[list[int]],
+                                   group_name: str, version: Optional[str]) -> tuple[bool, str]:
+    """Have the engine receive one flattened bucket broadcast over weight group ``group_name``."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+    names = list(names)
+    request = UpdateWeightsFromDistributedReqInput(
+        names=names, dtypes=[dtype] * len(names), shapes=list(shapes), group_name=group_name, flush_cache=False,
+        load_format="flattened_bucket", weight_version=version)
+    return await engine.tokenizer_manager.update_weights_from_distributed(request, None)
+
+
+async def join_weight_group(engine: Any, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                            group_name: str, backend: str) -> tuple[bool, str]:
+    from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+    request = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                             backend=backend)
+    return await engine.tokenizer_manager.init_weights_update_group(request, None)
+
+
+async def release_memory(engine: Any) -> Any:
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+    return await engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
+
+
+async def resume_memory(engine: Any) -> Any:
+    from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+    return await engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
+
+
+async def pause_generation(engine: Any, mode: str) -> None:
+    """Stop the scheduler decoding (``mode`` "in_place": its requests stay with their KV; "retract":
+    they go back to the waiting queue, their KV freed, and are prefilled again at
+    :func:`continue_generation`). Weight updates then run without waiting for the requests
+    (``tokenizer_manager.pause_generation``; generation requests sent meanwhile wait)."""
+    from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+    await engine.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode=mode))
+
+
+async def continue_generation(engine: Any) -> None:
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+    await engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+
+
+def served_weight_version(engine: Any) -> str:
+    """The weight version the engine reports serving (``Engine.get_model_info``: a read, no request)."""
+    return str(engine.get_model_info()["weight_version"])
+
+
+def token_versions(meta_info: dict, output_tokens: int) -> list[str]:
+    """The weight version that sampled each output token of a request: from its spans when it lived
+    through a weight update, else the one version it reports."""
+    spans = meta_info.get("weight_versions")
+    if not spans:
+        return [str(meta_info.get("weight_version", ""))] * output_tokens
+    versions: list[str] = []
+    for span in spans:
+        versions += [str(span["version"])] * (int(span["end"]) - int(span["start"]))
+    if len(versions) != output_tokens:
+        raise RuntimeError(f"SGLang's weight-version spans {spans} cover {len(versions)} tokens of an output of "
+                           f"{output_tokens}")
+    return versions
 
 
 def load_snapshot_file(engine: Any) -> Optional[str]:
@@ -483,27 +588,6 @@ def stop_subprocess_watchdog(engine: Any) -> None:
 def last_answer_time(engine: Any) -> float:
     """``time.time()`` of the last output the engine's tokenizer manager received (0 before any)."""
     return getattr(engine.tokenizer_manager, "last_receive_tstamp", 0.0)
-
-
-def load_flattened_bucket(engine: Any, payloads: list[bytes], version: Optional[str]) -> Callable[[], Any]:
-    """A call that hands the engine one flattened bucket per TP rank (shared memory or CUDA IPC)."""
-    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
-    request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format="flattened_bucket",
-                                              flush_cache=False, weight_version=version)
-    return lambda: run_on_engine_loop(engine, lambda manager: manager.update_weights_from_tensor(request, None))
-
-
-def receive_flattened_bucket(engine: Any, names: Iterable[str], dtype: str, shapes: Iterable[list[int]],
-                             group_name: str, version: Optional[str]) -> Callable[[], Any]:
-    """A call that has the engine receive one flattened bucket broadcast over weight group ``group_name``."""
-    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-    names = list(names)
-    request = UpdateWeightsFromDistributedReqInput(
-        names=names, dtypes=[dtype] * len(names), shapes=list(shapes), group_name=group_name, flush_cache=False,
-        load_format="flattened_bucket", weight_version=version)
-    return lambda: run_on_engine_loop(engine, lambda manager: manager.update_weights_from_distributed(request, None))
 
 
 def enable_cuda_tensor_pickling() -> None:

@@ -57,13 +57,8 @@ class EngineKVStats:
     """Counters since engine start, plus the peak pool use since the last read."""
 
     def __init__(self) -> None:
-        self.compactions = 0
-        self.evicted_tokens = 0
-        self.freed_slots = 0
-        self.dropped_shared_slots = 0
-        self.copied_tokens = 0
-        self.skipped_no_room = 0
-        self.retractions = 0
+        self.compactions = self.evicted_tokens = self.freed_slots = self.dropped_shared_slots = 0
+        self.copied_tokens = self.skipped_no_room = self.retractions = 0
         self.decode_steps = 0  # decode batches run (a caller can see a generation progress)
         # wall time spent in this patch: before decode steps (compression, H2O's attention mass) and in
         # the attention hook (query recording); the benchmark reports them next to the run time
@@ -496,6 +491,7 @@ def install(settings: EngineKVSettings) -> None:
         if settings.compressed_admission:
             admission.install(compressor.settings_for)
 
+    sglang.hook_cached_prefix_drop()
     sglang.hook_internal_state("sparse_rl_kv", lambda pool: {"settings": settings.to_dict(),
                                                              **STATS.read_and_reset_peak(), **pool.allocation()})
     logger.info("sparse_rl_mega KV patch installed: %s", settings)

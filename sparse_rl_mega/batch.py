@@ -47,7 +47,9 @@ class RolloutBatch:
     logp_sparse: torch.Tensor      # [N, S] float32, sampler logprobs of labels (0 off-response)
     rewards: torch.Tensor          # [N] float32
     group_ids: torch.Tensor        # [N] int64, GRPO group (prompt) of each sequence
-    weight_versions: Optional[torch.Tensor] = None  # [N] int64, weights that sampled every token of the row
+    weight_versions: Optional[torch.Tensor] = None  # [N] int64, weights that sampled the row's first (oldest) token
+    # [N, S] int32, weights that sampled each label (a partial rollout's row spans several; 0 off-response)
+    token_versions: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None   # [N] float32
     logp_old: Optional[torch.Tensor] = None     # [N, S] float32, PPO anchor (dense learner, or sampler in bypass)
     logp_ref: Optional[torch.Tensor] = None     # [N, S] float32, frozen reference model (KL penalty)
@@ -105,6 +107,7 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
     labels = torch.full((n, width), pad_id, dtype=torch.long)
     response_mask = torch.zeros(n, width)
     logp_sparse = torch.zeros(n, width)
+    token_versions = torch.zeros(n, width, dtype=torch.int32)
     for i, s in enumerate(samples):
         full = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         length = full.numel() - 1
@@ -113,6 +116,7 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
         start = len(s.prompt_ids) - 1  # label position of the first response token
         response_mask[i, start:start + len(s.response_ids)] = 1.0
         logp_sparse[i, start:start + len(s.response_ids)] = torch.tensor(s.logp_sparse, dtype=torch.float32)
+        token_versions[i, start:start + len(s.response_ids)] = torch.tensor(_versions_of(s), dtype=torch.int32)
     support_counts, support_ids = None, []
     if any(s.support is not None for s in samples):
         support_counts = torch.zeros(n, width, dtype=torch.int32)
@@ -126,7 +130,18 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
     return RolloutBatch(input_ids=input_ids, labels=labels, response_mask=response_mask, logp_sparse=logp_sparse,
                         rewards=torch.tensor(list(rewards), dtype=torch.float32),
                         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
-                        weight_versions=torch.tensor([int(s.weight_version or 0) for s in samples], dtype=torch.long),
+                        weight_versions=torch.tensor([min(_versions_of(s), default=int(s.weight_version or 0))
+                                                      for s in samples], dtype=torch.long),
+                        token_versions=token_versions,
                         response_texts=[s.response_text for s in samples],
                         finish_reasons=[s.finish_reason for s in samples], temperature=temperature,
                         support_counts=support_counts, support_ids=support_ids)
+
+
+def _versions_of(sample: GeneratedSample) -> list[int]:
+    """The version that sampled each response token (one version for all without per-token versions)."""
+    if sample.token_versions is None:
+        return [int(sample.weight_version or 0)] * len(sample.response_ids)
+    if len(sample.token_versions) != len(sample.response_ids):
+        raise ValueError(f"{len(sample.token_versions)} token versions for {len(sample.response_ids)} response tokens")
+    return list(sample.token_versions)

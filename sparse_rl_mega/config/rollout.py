@@ -117,6 +117,13 @@ class RolloutConfig:
     # the engines generate the next iteration's samples while the learner trains, and no sample is trained
     # on with weights more than K versions (iterations) older than the learner's
     max_staleness: int = 0
+    # partial rollouts (docs/algorithm.md "Partial rollouts"; needs max_staleness >= 1): at a weight push
+    # the engines pause the requests in flight instead of finishing them first, and start the batches the
+    # bound allows at once; the paused requests resume under the new weights, each token carrying the
+    # version that sampled it. "stale": their KV, compressed as it is, kept; "reprefill": prompt and output
+    # so far prefilled again under the new weights (compression starts anew); "none": pushes wait for the
+    # batch in flight (every sample one version)
+    partial: Literal["none", "stale", "reprefill"] = "none"
 
     @property
     def truncates(self) -> bool:

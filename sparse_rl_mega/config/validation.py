@@ -137,6 +137,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
             f"(model.arch.max_position_embeddings): SGLang generates at most {most}, after a one-token prompt")
     require(r.max_staleness >= 0, source, "rollout.max_staleness",
             f"must be >= 0 (0: no overlap; K: samples at most K weight versions old), got {r.max_staleness}")
+    require(r.partial == "none" or r.max_staleness >= 1, source, "rollout.partial",
+            f"{r.partial!r} needs rollout.max_staleness >= 1 (with 0 no request is in flight at a push)")
     require(0.0 < r.top_p <= 1.0, source, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     require(r.top_k == -1 or r.top_k >= 2, source, "rollout.top_k",
             f"must be -1 (off) or >= 2 (1 is greedy: every sample of a prompt would be the same), got {r.top_k}")

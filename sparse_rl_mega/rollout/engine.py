@@ -29,6 +29,7 @@ from sparse_rl_mega.rollout import forkserver, sglang_internals
 from sparse_rl_mega.rollout.engine_args import check_engine_tp, check_request_kv, server_arguments, support_cap
 from sparse_rl_mega.rollout.engine_processes import (engine_process_env, exit_description, keep_process_on_child_crash,
                                                      own_event_loop, process_names, without_launcher_env)
+from sparse_rl_mega.rollout.generation import PendingGeneration
 from sparse_rl_mega.runtime import watchdog
 
 
@@ -146,7 +147,7 @@ class RolloutEngine:
                        temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None,
                        kv_override: Optional[dict] = None, ignore_eos: bool = False,
                        prompt_offset: int = 0, top_k: int = -1, report_support: bool = False
-                       ) -> "PendingGeneration":
+                       ) -> PendingGeneration:
         """Start sampling ``n_samples`` responses per prompt, groups contiguous (prompt-major order), and
         return at once: the engine decodes in its own processes while the caller works (overlapped
         rollouts); :meth:`PendingGeneration.result` waits, watching the engine as every call does. Other
@@ -192,7 +193,10 @@ class RolloutEngine:
                 params.append(sp)
         started_at = time.time()
         rids = [f"{self.name}-{next(self._rids)}" for _ in input_ids]
-        future = self._submit(sglang_internals.generate(self.engine, input_ids, params, rids, report_support))
+        # a prefix cached under other weights must not serve these requests (the cache is emptied at every
+        # push, but not while requests run: flush_cache)
+        future = self._submit(sglang_internals.generate(self.engine, input_ids, params, rids, report_support,
+                                                        cache_key=f"weights-{self.weight_version}"))
         return PendingGeneration(self, future, input_ids, n_samples, started_at, report_support)
 
     def dense_logprobs(self, token_ids: Sequence[int], phase: str = "logprob check") -> list[float]:
@@ -315,12 +319,16 @@ class RolloutEngine:
         (rollouts then depended on timing). Each attempt wakes the scheduler, whose idle pass clears that
         batch: ask again until it succeeds, for at most ``FLUSH_WAIT_S``.
 
-        While generations are in flight (a partial rollout goes on after a push) the flush is owed
-        instead: it is done before the next generation starts, when the engine is idle again. Until
-        then only the running requests use the engine, and they match no prefix. Requests retracted
-        by a "reprefill" pause are waiting, not running: SGLang flushes then, and must (they are
-        prefilled again at resume and would match the old weights' prompt KV)."""
-        if self.in_flight and self.paused != "reprefill":
+        While generations are in flight (a partial rollout goes on after a push) SGLang refuses: the
+        cached prefixes no request holds are dropped instead, and the flush is owed to the next
+        generation that starts on an idle engine. Requests started meanwhile match only prefixes
+        cached under the weights they start with (:meth:`start_generate`'s cache key). Requests
+        retracted by a "reprefill" pause are waiting, not running: SGLang flushes then, and must
+        (they are prefilled again at resume and would match the old weights' prompt KV). An engine
+        paused in place refuses too, even with nothing left running: its last batch stays its last
+        batch until it decodes again."""
+        if self.paused == "stale" or (self.in_flight and self.paused != "reprefill"):
+            self._call(phase, sglang_internals.drop_cached_prefixes(self.engine))
             self.flush_owed = True
             return
         deadline = time.time() + FLUSH_WAIT_S
@@ -488,48 +496,3 @@ def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
     """The engine's loop thread: the tokenizer manager's loop, current here, until the engine stops it."""
     asyncio.set_event_loop(loop)
     loop.run_forever()
-
-
-class PendingGeneration:
-    """Samples an engine is generating (:meth:`RolloutEngine.start_generate`). ``started_at`` and
-    ``finished_at`` (``time.time()``; None while it runs) time the engine's work."""
-
-    def __init__(self, engine: RolloutEngine, future: Future, input_ids: list[list[int]], n_samples: int,
-                 started_at: float, report_support: bool = False):
-        self.engine, self.future, self.input_ids, self.n_samples = engine, future, input_ids, n_samples
-        self.started_at, self.report_support = started_at, report_support
-        self.finished_at: Optional[float] = None
-        engine.in_flight.append(self)  # (before the callback: a future done already calls it at once)
-        future.add_done_callback(self._finished)
-
-    def _finished(self, future: Future) -> None:  # (on the engine's loop thread)
-        self.finished_at = time.time()
-        if self in self.engine.in_flight:
-            self.engine.in_flight.remove(self)
-
-    def result(self) -> list[GeneratedSample]:
-        """Wait for the samples; :class:`EngineFailure` as for any engine call."""
-        outputs = self.engine._wait("rollout", self.future)
-        if self.finished_at is None:  # (the future's waiters wake before its callbacks run)
-            self.finished_at = time.time()
-        samples = []
-        for k, out in enumerate(outputs):
-            meta = out["meta_info"]
-            token_logprobs = meta["output_token_logprobs"]
-            finish = meta.get("finish_reason") or {}
-            logp = [float(t[0]) for t in token_logprobs]
-            support = None
-            if self.report_support:  # the truncated, renormalised logprob and the ids it was drawn among
-                support = [[int(i) for i in ids] for ids in meta.get("output_token_sampling_mask", [])]
-                logp = [float(v) for v in meta.get("output_token_sampling_logprobs", [])]
-                if not len(support) == len(logp) == len(token_logprobs):
-                    why = finish.get("message", finish) if isinstance(finish, dict) else finish
-                    raise RuntimeError(f"{self.engine.name} returned {len(support)} sampling supports for "
-                                       f"{len(token_logprobs)} tokens of sample {k}: {why}")
-            samples.append(GeneratedSample(
-                prompt_index=k // self.n_samples, prompt_ids=self.input_ids[k],
-                response_ids=[int(t[1]) for t in token_logprobs], logp_sparse=logp, support=support,
-                response_text=out["text"], finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-                cached_tokens=int(meta.get("cached_tokens", 0)), weight_version=str(meta.get("weight_version", "")),
-                token_versions=[int(v or 0) for v in sglang_internals.token_versions(meta, len(token_logprobs))]))
-        return samples

@@ -156,14 +156,16 @@ class EngineFleet:
             self.recover(failed, version)
 
     def push_weights(self, probe_ids: Optional[list[int]], version: int, timer=None,
-                     check_before: bool = True) -> dict[str, float]:
+                     check_before: bool = True, partial: str = "none") -> dict[str, float]:
         """Push the learner's shards to every engine as HF tensors, streamed layer by layer into buckets
         (every rank takes part: the pieces travel to rank 0, which pushes them to its engine in-process
         or broadcasts them to all engines), as weight ``version``. With ``probe_ids`` every engine's
         dense logprobs of that sequence are compared with the learner's after the push (and, with
         ``check_before``, before it). ``timer``: a PhaseTimer, the push is its ``sync`` phase. An
-        engine that fails meanwhile is restarted and given the weights."""
-        metrics, failure = self._push_once(probe_ids, version, timer, check_before)
+        engine that fails meanwhile is restarted and given the weights. ``partial`` (rollout.partial's
+        KV choice): an engine with generations in flight pauses them for the push and resumes them
+        after it (``RolloutEngine.pause``); the check's probe then runs beside them."""
+        metrics, failure = self._push_once(probe_ids, version, timer, check_before, partial)
         failed = self._agree(failure)
         if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
             before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
@@ -171,7 +173,7 @@ class EngineFleet:
         self.version = version
         return metrics
 
-    def _push_once(self, probe_ids, version: int, timer, check_before: bool):
+    def _push_once(self, probe_ids, version: int, timer, check_before: bool, partial: str = "none"):
         """One push: ``(metrics, this host's EngineFailure or None)``. A host whose engine fails goes on
         taking part (marking buckets loaded, sending its pieces), so that every rank's waits and
         collectives finish."""
@@ -180,7 +182,7 @@ class EngineFleet:
         check = probe_ids is not None
         learner_logp = self.learner_logprobs(probe_ids) if check else None  # every rank takes part
         host = self.engine is not None
-        before = None
+        before, paused = None, 0
         try:
             if host and self.released:  # a colocated GPU engine takes its memory back first
                 self.engine.resume_memory()
@@ -188,6 +190,8 @@ class EngineFleet:
             # (released weights come back undefined until the push: nothing to compare before it)
             if check and check_before and host and not self.release_memory:
                 before = _max_abs_diff(self.engine.dense_logprobs(probe_ids, phase=CHECK_PHASE), learner_logp)
+            if host and partial != "none":  # the requests in flight wait for the new weights
+                paused = self.engine.pause(partial)
         except EngineFailure as exc:
             failure = exc
         if check and check_before and not self.release_memory:
@@ -205,6 +209,7 @@ class EngineFleet:
                     if served != str(version):
                         raise RuntimeError(f"after the weight sync engine {self.placement.index} serves version "
                                            f"{served}, expected {version}")
+                    self.engine.resume()  # (nothing paused: nothing to do)
             except EngineFailure as exc:
                 failure = exc
             metrics.update(push.times.metrics())
@@ -213,6 +218,8 @@ class EngineFleet:
             metrics["sync/tensors"] = float(push.plan.tensors)
             metrics["sync/buckets"] = float(len(push.plan.buckets))
             metrics["sync/weight_version"] = float(version)
+            if partial != "none":  # the generations paused across this push, on the engine with the most
+                metrics["sync/paused_generations"] = self.max_over_engines(float(paused) if host else None)
         if check:
             started = time.perf_counter()
             after = None

@@ -7,13 +7,22 @@ iterations (the learner's own).
 ``K >= 1``, one batch ahead: as soon as iteration i has its samples, the engines start on iteration
 i+1's prompts with the weights they serve and decode them in their own processes while the learner
 trains on iteration i. Weights go to idle engines only: a push first waits for the batch in flight,
-so every sample comes from one weight version (no partial rollouts). When the trainer pushes (often
-enough that no batch is more than K versions old when trained) is sparse_rl_mega/train/cadence.py's rule.
+so every sample comes from one weight version. When the trainer pushes (often enough that no batch is
+more than K versions old when trained) is sparse_rl_mega/train/cadence.py's rule.
+
+Partial rollouts (``rollout.partial`` stale / reprefill): a push that neither a checkpoint nor an
+evaluation nor the last iteration asks for does not wait. The engines pause the requests in flight,
+take the weights and resume them (their tokens from then on carry the new version), and at once start
+every batch the bound allows: batch j as soon as they serve version j - K (K = 1: the batch after
+next starts at the push, beside the tail of the batch ahead). A token is then never more than K
+versions old when trained. The other pushes collect the batch ahead first, as without partial
+rollouts, so a checkpoint saves it complete; a batch further ahead in flight at a checkpoint (K >= 2)
+is sampled again by a resumed run, from its start, with the weights the checkpoint holds.
 Colocated engines on GPUs hand their memory to the learner while it trains and hold no weights after
 that, so they generate the next batch before the learner trains and nothing overlaps there.
 
-A sample's *staleness* = the learner's version when it trains on the sample minus the version that
-generated it (every token of a sample has that version). A batch holding a sample more than K
+A token's *staleness* = the learner's version when it trains on it minus the version that sampled it;
+a sample's, that of its first (oldest) token. A batch holding a sample more than K
 versions old is dropped and sampled again with the learner's weights (counted in
 ``rollout/stale_dropped_samples``): with that schedule it happens only when a run is resumed
 with a smaller K than the one that saved the batch ahead.
@@ -45,7 +54,8 @@ from sparse_rl_mega.kv.auto_budget import BudgetController
 from sparse_rl_mega.kv.registry import policy_class
 from sparse_rl_mega.kv.replay import replay_compression
 from sparse_rl_mega.reward.scorer import ScorerStats
-from sparse_rl_mega.rollout.engine import EngineFailure, PendingGeneration, RolloutEngine
+from sparse_rl_mega.rollout.engine import EngineFailure, RolloutEngine
+from sparse_rl_mega.rollout.generation import PendingGeneration
 from sparse_rl_mega.rollout.placement import prompt_shard
 
 AHEAD_FILE = "rollout_ahead.pt"  # in a checkpoint folder: the batch the next iteration trains on
@@ -59,9 +69,10 @@ class InFlight:
     prompts: range           # the shard: prompt numbers within the iteration
     labels: list[str]        # the shard's labels (rewards)
     pending: PendingGeneration
-    kv_before: dict          # the engine's KV counters before it started
+    kv_before: dict          # the engine's KV counters before it started (partial rollouts: at the last collection)
     budget: Optional[int]    # the KV budget its requests keep (None: the engine's own)
     idle_s: float            # how long the engine sat idle before it started (0 for its first batch)
+    version: int             # the weights the engine served when it started
 
 
 @dataclass
@@ -91,13 +102,21 @@ class OverlappedRollouts:
         self.cfg, self.fleet, self.dataset, self.tokenizer, self.scorer, self.log = \
             cfg, fleet, dataset, tokenizer, scorer, log
         self.max_staleness = cfg.rollout.max_staleness
-        self.in_flight: Optional[InFlight] = None  # host: its shard of the batch ahead
-        self.ahead_iteration: Optional[int] = None  # the iteration whose batch was started and not yet taken
-        self.ahead: Optional[SampledBatch] = None  # that batch, once collected (or loaded from a checkpoint)
+        self.partial = cfg.rollout.partial != "none"  # rollout.partial: pushes pause the batches in flight
+        self.in_flight: dict[int, InFlight] = {}  # host: its shards of started batches, by iteration
+        self.started: set[int] = set()  # the iterations whose batches were started and not yet taken
+        self.ahead: Optional[SampledBatch] = None  # the first of them, once collected (or loaded from a checkpoint)
         self.engine_finished_at: Optional[float] = None  # host: when its engine finished its last batch
+        # host: (engine, its KV counters) when the last shard was collected; with partial rollouts batches
+        # overlap on the engine, so each collection reports the engine's work since the previous one
+        self.kv_collected: Optional[tuple[RolloutEngine, dict]] = None
         self.generated: list[tuple[int, int, float, float]] = []  # (iteration, engine, start, end) since drained
         self.budget_control = BudgetController.from_config(cfg.rollout.kv_compression)  # None: a fixed budget
         self.batch_budgets: dict[int, int] = {}  # iteration -> the budget its batch was started with
+        if self.partial and fleet.release_memory:
+            raise ValueError(f"rollout.partial={cfg.rollout.partial!r} with colocated engines on GPUs: they hand "
+                             f"their memory, KV included, to the learner at every push, so no request can be paused "
+                             f"across one; set rollout.partial: none, or rollout.placement: separate")
         if self.max_staleness and fleet.release_memory:
             log(f"[setup] rollout.max_staleness={self.max_staleness} with colocated engines on GPUs: they hand their "
                 f"memory to the learner while it trains, so the next batch is generated before training (samples "
@@ -109,10 +128,12 @@ class OverlappedRollouts:
         ``iteration`` iterations): the batch ahead when there is one, else sampled now. Its metrics
         get the staleness figures."""
         with timer.phase("learner_wait"):
-            if self.ahead_iteration == iteration and self.ahead is None:
+            collected = self.ahead is not None and self.ahead.iteration == iteration
+            if iteration in self.started and not collected:
                 self.ahead = self.generate(iteration, iteration, timer)
             sampled = self.ahead if self.ahead is not None and self.ahead.iteration == iteration else None
-            self.ahead, self.ahead_iteration = None, None
+            self.ahead = None
+            self.started = {i for i in self.started if i > iteration}
             self.batch_budgets = {i: b for i, b in self.batch_budgets.items() if i > iteration}
             dropped = 0
             if sampled is not None:
@@ -128,7 +149,8 @@ class OverlappedRollouts:
         staleness = (iteration - sampled.batch.weight_versions).double()
         sampled.metrics.update({"rollout/staleness_mean": float(staleness.mean()),
                                 "rollout/staleness_max": float(staleness.max()),
-                                "rollout/stale_dropped_samples": float(dropped)})
+                                "rollout/stale_dropped_samples": float(dropped),
+                                **token_ages(sampled.batch, iteration, self.max_staleness)})
         return sampled
 
     def start_ahead(self, iteration: int, timer) -> None:
@@ -137,24 +159,41 @@ class OverlappedRollouts:
         returns at once. Colocated engines on GPUs generate it now (the learner needs their memory)."""
         if not self.max_staleness or iteration >= self.cfg.trainer.iterations:
             return
-        self.ahead_iteration = iteration
         if self.fleet.release_memory:
+            self.started.add(iteration)
             with timer.phase("learner_wait"):
                 self.ahead = self.generate(iteration, iteration - 1, timer)
             return
-        if self.fleet.placement is not None:
-            try:
-                self.in_flight = self._start_shard(self.fleet.engine, iteration)
-            except EngineFailure:  # its calls fail again when collected: restarted then
-                self.in_flight = None
+        self._start_batches(iteration)
+
+    def start_after_push(self, trained: int) -> None:
+        """Partial rollouts, after a push that did not wait for the batches in flight (``trained``:
+        iterations trained, the version just pushed): start every batch the bound allows (host: at once)."""
+        self._start_batches(trained)
+
+    def _start_batches(self, first: int) -> None:
+        """Start the batch of iteration ``first`` and, with partial rollouts, of every later iteration
+        whose tokens, sampled from the weights the engines serve, will be at most K versions old
+        when trained; none past the last iteration, none started twice."""
+        last = max(first, self.fleet.version + self.max_staleness) if self.partial else first
+        for iteration in range(first, min(last, self.cfg.trainer.iterations - 1) + 1):
+            if iteration in self.started:
+                continue
+            self.started.add(iteration)
+            if self.fleet.placement is not None:
+                try:
+                    self.in_flight[iteration] = self._start_shard(self.fleet.engine, iteration)
+                except EngineFailure:  # its calls fail again when collected: restarted then
+                    self.in_flight.pop(iteration, None)
 
     def collect(self, learner_version: int, timer) -> None:
-        """Wait for the batch in flight (before the engines take weights, or when its iteration
+        """Wait for the first batch in flight (before the engines take weights, or when its iteration
         starts); ``learner_version``: the weights a failed engine is restarted with."""
-        if self.ahead_iteration is None or self.ahead is not None:
+        first = min(self.started, default=None)
+        if first is None or (self.ahead is not None and self.ahead.iteration == first):
             return
         with timer.phase("learner_wait"):
-            self.ahead = self.generate(self.ahead_iteration, learner_version, timer)
+            self.ahead = self.generate(first, learner_version, timer)
 
     def drain_timeline(self) -> list[tuple[int, int, float, float]]:
         """Rank 0: ``(iteration, engine, started, finished)`` of every batch gathered since the last call."""
@@ -204,7 +243,7 @@ class OverlappedRollouts:
         path = Path(folder) / AHEAD_FILE
         if path.is_file():
             self.ahead = SampledBatch.from_state(torch.load(path, weights_only=False))
-            self.ahead_iteration = self.ahead.iteration
+            self.started = {self.ahead.iteration}
 
     # ------------------------------------------------------------------ sampling
     def generate(self, iteration: int, learner_version: int, timer) -> SampledBatch:
@@ -214,8 +253,8 @@ class OverlappedRollouts:
         cfg = self.cfg
 
         def my_shard(engine):
-            shard, self.in_flight = self.in_flight, None
-            if shard is None or shard.engine is not engine or shard.iteration != iteration:
+            shard = self.in_flight.pop(iteration, None)
+            if shard is None or shard.engine is not engine:
                 shard = self._start_shard(engine, iteration)
             return self._finish_shard(shard, timer)
         mine = self.fleet.run_on_engines(my_shard, learner_version)
@@ -248,6 +287,8 @@ class OverlappedRollouts:
             "rollout/weight_version": float(batch.weight_versions.min()),  # the oldest
             "rollout/response_len_mean": sum(response_lens) / len(response_lens),
             "rollout/truncated_fraction": sum(x.finish_reason == "length" for x in samples) / len(samples),
+            # samples whose tokens came from several weight versions (paused across a push: rollout.partial)
+            "rollout/multi_version_fraction": sum(len(set(x.token_versions or ())) > 1 for x in samples) / len(samples),
             "kv/evicted_tokens": evicted,
             "kv/evicted_tokens_per_sample": evicted / len(samples),
             "kv/evicted_tokens_per_sample_max": float(max(r.evicted_tokens for r in per_sample)),
@@ -279,7 +320,8 @@ class OverlappedRollouts:
         records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
         shard = prompt_shard(len(records), len(self.fleet.placements), self.fleet.placement.index)
         prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
-        kv_before = engine.kv_stats()
+        overlapping = self.partial and self.kv_collected is not None and self.kv_collected[0] is engine
+        kv_before = self.kv_collected[1] if overlapping else engine.kv_stats()
         budget, override = None, None
         if r.kv_compression.policy != "none":
             budget = r.kv_compression.budget
@@ -292,7 +334,9 @@ class OverlappedRollouts:
                                         seed=cfg.trainer.seed * 100_003 + iteration * 7919, kv_override=override,
                                         prompt_offset=shard.start, top_k=r.top_k, report_support=r.truncates)
         idle = pending.started_at - self.engine_finished_at if self.engine_finished_at is not None else 0.0
-        return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, budget, idle)
+        idle = max(idle, 0.0)  # (partial rollouts: started while another batch still ran)
+        return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, budget, idle,
+                        engine.weight_version)
 
     def _finish_shard(self, shard: InFlight, timer) -> dict:
         """Host: wait for ``shard``'s samples and score them."""
@@ -300,13 +344,18 @@ class OverlappedRollouts:
         with timer.phase("rollout"):
             samples = shard.pending.result()
             kv_after = engine.kv_stats()
-        self.engine_finished_at = shard.pending.finished_at
+        kv_before = shard.kv_before
+        if self.partial and self.kv_collected is not None and self.kv_collected[0] is engine:
+            kv_before = self.kv_collected[1]  # (the batches overlapped: the engine's work since then)
+        self.kv_collected = (engine, kv_after)
+        self.engine_finished_at = max(shard.pending.finished_at, self.engine_finished_at or 0.0)
         for sample in samples:  # the iteration's prompt numbering (GRPO group ids)
             sample.prompt_index += shard.prompts.start
-        stale = {s.weight_version for s in samples} - {str(engine.weight_version)}
-        if stale:  # a sample generated with other weights than the engine was given last
-            raise RuntimeError(f"engine {self.fleet.placement.index}: rollout samples report weight version(s) "
-                               f"{sorted(stale)}, expected {engine.weight_version}")
+        versions = {v for s in samples for v in s.token_versions or ()}
+        expected = set(range(shard.version, engine.weight_version + 1))
+        if not versions <= expected:  # a token sampled with weights the engine was not given meanwhile
+            raise RuntimeError(f"engine {self.fleet.placement.index}: rollout tokens report weight version(s) "
+                               f"{sorted(versions - expected)}, expected {shard.version}..{engine.weight_version}")
         with timer.phase("reward"):
             rewards = self.scorer.score([s.response_text for s in samples],
                                         [shard.labels[s.prompt_index - shard.prompts.start] for s in samples])
@@ -316,7 +365,7 @@ class OverlappedRollouts:
             "compression": self._per_sample_compression(engine, samples, shard.budget),
             "budget": shard.budget,
             "peak_request_tokens": float(kv_after.get("peak_request_tokens", 0)),
-            "kv": {key: float(kv_after.get(key, 0) - shard.kv_before.get(key, 0))
+            "kv": {key: float(kv_after.get(key, 0) - kv_before.get(key, 0))
                    for key in ("evicted_tokens", "compactions", "freed_slots")},
             "peak_slots_in_use": float(kv_after.get("peak_slots_in_use", 0)),
             "pool_size": float(kv_after.get("pool_size", 0)),
@@ -335,3 +384,15 @@ class OverlappedRollouts:
         newlines = set(engine.kv.newline_token_ids)
         return [replay_compression(len(s.prompt_ids), len(s.response_ids), budget, interval, needed,
                                    [t in newlines for t in s.response_ids]) for s in samples]
+
+
+def token_ages(batch: RolloutBatch, iteration: int, max_staleness: int) -> dict[str, float]:
+    """How old the batch's response tokens are when iteration ``iteration`` trains on them: the mean,
+    and the fraction of each age 0..``max_staleness`` (``rollout/token_age{a}_fraction``)."""
+    if batch.token_versions is None:
+        return {}
+    mask = batch.response_mask > 0
+    ages = (iteration - batch.token_versions.long())[mask].double()
+    count = max(ages.numel(), 1)
+    return {"rollout/token_staleness_mean": float(ages.sum()) / count,
+            **{f"rollout/token_age{a}_fraction": float((ages == a).sum()) / count for a in range(max_staleness + 1)}}

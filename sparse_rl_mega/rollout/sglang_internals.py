@@ -21,6 +21,7 @@ Written against SGLang 0.5.23 (file and line references below are to that releas
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
@@ -309,6 +310,22 @@ def hook_retraction(on_retract: Callable[[Request], None]) -> None:
     Req.reset_for_retract = reset_for_retract
 
 
+DROP_CACHED_PREFIXES = "sparse_rl_drop_cached_prefixes"  # the scheduler method of hook_cached_prefix_drop
+
+
+def hook_cached_prefix_drop() -> None:
+    """A scheduler method, called by RPC (:func:`drop_cached_prefixes`), that evicts from the radix tree
+    every cached prefix no request holds: what SGLang's flush would remove, when the flush is refused
+    because requests run (they keep theirs)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def drop(self) -> None:
+        pool = KVPool(self.token_to_kv_pool_allocator, self.tree_cache)
+        pool.evict_from_tree(pool.size)
+
+    setattr(Scheduler, DROP_CACHED_PREFIXES, drop)
+
+
 def hook_internal_state(key: str, report: Callable[[KVPool], dict]) -> None:
     """``get_server_info()["internal_states"][rank][key]``: ``report(the scheduler's pool)``."""
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
@@ -445,25 +462,34 @@ def set_engine_multiprocessing(mp: Any) -> None:
 # generation waits). Each builds the request as SGLang's ``Engine`` method of that name does.
 
 async def generate(engine: Any, input_ids: list, sampling_params: Any, rids: Optional[list[str]] = None,
-                   report_support: bool = False, logprob_start_len: Optional[int] = None) -> Any:
+                   report_support: bool = False, logprob_start_len: Optional[int] = None,
+                   cache_key: Optional[str] = None) -> Any:
     """``Engine.generate`` with logprobs (one output per request, in order; a single request given as
     one id list answers one output). With ``report_support`` every output's ``meta_info`` gains
     ``output_token_sampling_mask`` (the ids the top-k / top-p truncation kept at each step) and
     ``output_token_sampling_logprobs`` (the sampled token's logprob renormalised over them): SGLang's
     ``Engine.generate`` does not pass these fields through (``entrypoints/engine.py``). An output of a
     request that lived through a weight update carries ``meta_info["weight_versions"]``: the spans of
-    its output tokens by the version that sampled them (``utils/weight_versions.py``)."""
+    its output tokens by the version that sampled them (``utils/weight_versions.py``). ``cache_key``:
+    the requests match only prefixes cached by requests of the same key (SGLang's ``extra_key``: the
+    radix tree keeps one namespace per key)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     support = {"return_sampling_mask": True, "sampling_logprobs_mode": "selected"} if report_support else {}
     request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
-                               logprob_start_len=logprob_start_len, rid=rids, **support)
+                               logprob_start_len=logprob_start_len, rid=rids, extra_key=cache_key, **support)
     return await engine.tokenizer_manager.generate_request(request, None).__anext__()
 
 
 async def flush_cache(engine: Any) -> bool:
     """Whether the scheduler emptied its prefix cache (it refuses while requests run or wait)."""
     return bool((await engine.tokenizer_manager.flush_cache()).success)
+
+
+async def drop_cached_prefixes(engine: Any) -> None:
+    """Evict every cached prefix no running request holds (:func:`hook_cached_prefix_drop`), beside the
+    requests; SGLang's RPC socket is blocking, so the call waits on a worker thread."""
+    await asyncio.to_thread(engine.collective_rpc, DROP_CACHED_PREFIXES)
 
 
 async def internal_states(engine: Any) -> list[dict]:

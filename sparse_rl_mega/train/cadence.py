@@ -52,6 +52,12 @@ class Cadence:
         return self.evaluating and (bool(self.eval_interval and trained % self.eval_interval == 0)
                                     or self.last(trained))
 
+    def needs_complete_batch(self, trained: int) -> bool:
+        """Whether the push after ``trained`` iterations waits for the batch in flight even with partial
+        rollouts: a checkpoint saves it whole, an evaluation measures the engines alone, the end has
+        nothing to pause for."""
+        return self.checkpoint(trained) or self.evaluate(trained) or self.last(trained)
+
     def push(self, trained: int, served: int) -> bool:
         """Whether the weights after ``trained`` iterations go to the engines (serving version
         ``served``) now; the batch they start next is trained at iteration ``trained + 1``."""

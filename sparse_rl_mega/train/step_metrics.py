@@ -36,11 +36,12 @@ STEP_REDUCTIONS: dict[str, str] = {
     "train/entropy": MEAN, "train/kept_tokens": MEAN, "train/grad_norm": MEAN, "train/update_ok": MEAN,
     "train/skipped_steps": SUM, "train/kl_ref": MEAN,
 }
-_STALENESS = re.compile(r"_staleness\d+$")  # metrics_by_staleness: reduced as the metric it splits
+_STALENESS = re.compile(r"_(staleness\d+|resumed)$")  # metrics_by_staleness: reduced as the metric it splits
 
 
 def reduction(key: str) -> str:
-    """The declared reduction of step metric ``key`` (``mismatch/k3_staleness1``: that of ``mismatch/k3``)."""
+    """The declared reduction of step metric ``key`` (``mismatch/k3_staleness1``, ``mismatch/k3_resumed``:
+    that of ``mismatch/k3``)."""
     base = _STALENESS.sub("", key)
     if base not in STEP_REDUCTIONS:
         raise KeyError(f"step metric {key!r} has no declared reduction: add it to "
@@ -72,22 +73,29 @@ def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
 
 
 def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, group) -> dict[str, float]:
-    """The mismatch and rejection figures of the rows trained at ``iteration`` with each staleness
-    0..``max_staleness`` (learner version - the version that sampled the row) present in the global
-    batch (``part``: this DP rank's rows of it), e.g. ``mismatch/k3_staleness1``."""
-    staleness = iteration - part.weight_versions
+    """The mismatch and rejection figures of the tokens trained at ``iteration`` with each staleness
+    0..``max_staleness`` (learner version - the version that sampled the token) present in the global
+    batch (``part``: this DP rank's rows of it), e.g. ``mismatch/k3_staleness1``; with partial rollouts
+    also of the tokens sampled after their sample was paused for a push (``mismatch/k3_resumed``: under
+    newer weights than the sample's first token, on the KV that ``rollout.partial`` chose to keep)."""
+    versions = part.token_versions.long() if part.token_versions is not None else \
+        part.weight_versions[:, None].expand_as(part.response_mask)
+    staleness = iteration - versions
+    resumed = versions > part.weight_versions[:, None]
+    groups = {f"_staleness{s}": staleness == s for s in range(max_staleness + 1)}
+    groups["_resumed"] = resumed
+    keys = ("mismatch/k3", "correction/token_rejected_fraction", "correction/veto_fraction")
     out: dict[str, float] = {}
-    for s in range(max_staleness + 1):
-        rows = (staleness == s).nonzero().flatten()
+    for suffix, selected in groups.items():
+        mask = part.response_mask * selected
+        rows = (mask.sum(dim=1) > 0).nonzero().flatten()
         present = torch.tensor([float(rows.numel())])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(present, group=group)
         if not present.item():
             continue
-        _, _, m = compute_correction(part.logp_old[rows], part.logp_sparse[rows], part.response_mask[rows],
-                                     correction, group=group)
-        out.update({f"{key}_staleness{s}": m[key] for key in ("mismatch/k3", "correction/token_rejected_fraction",
-                                                               "correction/veto_fraction")})
+        _, _, m = compute_correction(part.logp_old[rows], part.logp_sparse[rows], mask[rows], correction, group=group)
+        out.update({f"{key}{suffix}": m[key] for key in (keys if suffix != "_resumed" else keys[:2])})
     return out
 
 

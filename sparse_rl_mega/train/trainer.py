@@ -361,16 +361,24 @@ class Trainer:
         return merged
 
     def push(self, batch, iteration: int, timer: PhaseTimer) -> dict[str, float]:
-        """The weights after ``iteration`` to the engines once they are idle (a push waits for the batch
-        in flight: overlapped rollouts), checked on the first sample of ``batch``; its sync/ metrics."""
+        """The weights after ``iteration`` to the engines, checked on the first sample of ``batch``; its
+        sync/ metrics. The push waits for the batch in flight (overlapped rollouts), except with partial
+        rollouts (``rollout.partial``) when no checkpoint, evaluation or end follows: the engines then
+        pause what is in flight, take the weights, resume it and start the batches the bound allows."""
         probe = None
         if self.cfg.trainer.verify_sync:
             # a fixed, fully known sequence: the first sample of this batch (prompt + response)
             length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
             probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
-        self.rollouts.collect(iteration + 1, timer)
+        trained = iteration + 1
+        waits = not self.rollouts.partial or self.cadence.needs_complete_batch(trained)
+        if waits:
+            self.rollouts.collect(trained, timer)
         self.faults.at("sync", iteration)
-        return self.fleet.push_weights(probe, iteration + 1, timer)
+        metrics = self.fleet.push_weights(probe, trained, timer, partial=self.cfg.rollout.partial)
+        if not waits:
+            self.rollouts.start_after_push(trained)
+        return metrics
 
     def checkpoint(self, iteration: int, timer: PhaseTimer, metrics: dict[str, float]) -> str:
         """Save the learner (and the batch ahead) after ``iteration``; adds ``time/checkpoint_digest_s``

@@ -421,6 +421,37 @@ def test_a_request_paused_by_a_weight_push_resumes_as_the_reference_replays_it(e
     assert len(engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)) == 1
 
 
+def test_200_pauses_and_pushes_leak_no_kv_slot(evicting_engine, tiny_model_dir):
+    """200 pause/resume cycles over a generation of four R-KV requests, alternating the two KV choices,
+    the same weights pushed at every tenth as a new version: every request ends with its full length,
+    its tokens in the versions it lived through, and SGLang's strict idle check then finds every KV
+    slot back (a leaked or double-freed slot ends the scheduler: the next call fails)."""
+    from sparse_rl_mega.learner.weights import buckets, read_hf_state_dict
+
+    engine, weights = evicting_engine, read_hf_state_dict(tiny_model_dir)
+    push, first = DirectPush(engine), engine.weight_version
+    pending = engine.start_generate([[5, 6, 7, 8], [9, 10, 11]], n_samples=2, max_new_tokens=480, seed=1,
+                                    kv_override=POLICY_CASES["rkv"], ignore_eos=True)
+    _wait_for_decode_steps(engine, 5)
+    paused = 0
+    for cycle in range(200):
+        paused += engine.pause("stale" if cycle % 2 else "reprefill")
+        if cycle % 10 == 0:
+            push.shared(buckets(iter(weights.items()), 256 * 1024, torch.float32))
+        engine.resume()
+    samples = pending.result()
+    assert paused >= 100, paused  # (the generation ran through most cycles)
+    for s in samples:
+        assert len(s.response_ids) == 480 and s.token_versions == sorted(s.token_versions), s.token_versions[:8]
+        assert first <= s.token_versions[0] and s.token_versions[-1] <= engine.weight_version
+    assert max(len(set(s.token_versions)) for s in samples) > 2
+    engine.flush_cache()
+    time.sleep(1.5)  # idle: SGLang's strict KV leak check runs
+    engine.kv_stats()  # (resets the peak)
+    assert len(engine.generate([[1, 2, 3]], n_samples=1, max_new_tokens=2)) == 1
+    assert engine.kv_stats()["peak_slots_in_use"] <= 5  # only that request's 3 + 2 slots are in use
+
+
 def test_engine_frees_evicted_slots_and_survives_idle_leak_check(evicting_engine):
     before = evicting_engine.kv_stats()
     for name in POLICY_CASES:

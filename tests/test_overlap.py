@@ -130,6 +130,30 @@ def test_killed_mid_overlap_resumes_exactly(overlapped, overlap_config):
     assert uninterrupted[4]["rollout/weight_version"] == 3
 
 
+def test_partial_rollouts_pause_requests_across_pushes(overlap_config):
+    """Partial rollouts with R-KV, each KV choice (``tools/bench_overlap.py --staleness 1:stale,1:reprefill``,
+    the tool's smallest real use): the engine decodes one request at a time, so requests are in flight
+    at every push. They are paused, the weights pushed, and they resume: samples span two versions, no
+    token is more than one version old, the resumed tokens' mismatch is measured, and every iteration
+    trains on its own prompts (the batch after next started at the push)."""
+    out = overlap_config.parent / "partial"
+    proc = run_tool(ROOT / "tools" / "bench_overlap.py", overlap_config, "--staleness", "1:stale,1:reprefill",
+                    "--iterations", 4, "--out", out, "--json", out / "bench.json", "--set=rollout.max_running_requests=1",
+                    timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ratio_samples_per_s_k1:reprefill_over_k1:stale=" in proc.stdout
+    for name in ("k1-stale_r0", "k1-reprefill_r0"):
+        metrics = metrics_by_iteration(out / name)
+        assert sorted(metrics) == [0, 1, 2, 3]
+        for m in metrics.values():  # ages 0 and 1 only
+            assert m["rollout/token_age0_fraction"] + m["rollout/token_age1_fraction"] == pytest.approx(1.0)
+            assert m["rollout/staleness_max"] <= 1 and m["rollout/stale_dropped_samples"] == 0
+        assert sum(metrics[i]["sync/paused_generations"] for i in range(3)) >= 2, name
+        mixed = [i for i in metrics if metrics[i]["rollout/multi_version_fraction"] > 0]
+        assert mixed and all("mismatch/k3_resumed" in metrics[i] for i in mixed), (name, mixed)
+        assert "[warn]" not in (out / f"{name}.log").read_text()
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_push_schedule_bounds_staleness_by_k(k):
@@ -151,3 +175,34 @@ def test_push_schedule_bounds_staleness_by_k(k):
     # colocated engines on GPUs hold no weights after training: a push after every iteration
     colocated = Cadence(iterations=30, max_staleness=k, engines_release_memory=True)
     assert all(colocated.push(t, t - 1) for t in range(1, 30))
+
+
+@pytest.mark.unit
+def test_a_sample_spanning_two_versions_is_aged_and_measured_per_token():
+    """Partial rollouts: a sample paused by a push has tokens of two versions. Packed, each label keeps
+    its own version and the row's version is its oldest; the batch's token ages and the mismatch of the
+    resumed tokens (``mismatch/k3_resumed``) are computed over exactly those tokens, each with its own
+    behaviour logprob (here: log ratio 0.5 on the two resumed tokens, 0.1 on the others)."""
+    import math
+
+    import torch
+
+    from sparse_rl_mega.batch import GeneratedSample, pack_samples
+    from sparse_rl_mega.rollout.overlap import token_ages
+    from sparse_rl_mega.train.step_metrics import metrics_by_staleness
+
+    paused = GeneratedSample(0, [1, 2, 3], [7, 8, 9, 10], [-1.0, -1.1, -1.2, -1.3], "", "stop", weight_version="4",
+                             token_versions=[3, 3, 4, 4])
+    whole = GeneratedSample(0, [1, 2], [5, 6], [-0.5, -0.6], "", "stop", weight_version="3", token_versions=[3, 3])
+    batch = pack_samples([paused, whole], [1.0, 0.0])
+    assert batch.token_versions[0].tolist() == [0, 0, 3, 3, 4, 4] and batch.token_versions[1].tolist()[1:3] == [3, 3]
+    assert batch.weight_versions.tolist() == [3, 3]
+    # trained at iteration 4: two tokens fresh, four one version old
+    assert token_ages(batch, 4, 1) == {"rollout/token_staleness_mean": 4 / 6, "rollout/token_age0_fraction": 2 / 6,
+                                       "rollout/token_age1_fraction": 4 / 6}
+    resumed = batch.token_versions > batch.weight_versions[:, None]
+    batch.logp_old = batch.logp_sparse + batch.response_mask * torch.where(resumed, 0.5, 0.1)
+    metrics = metrics_by_staleness(batch, 4, 1, "sparse_rl", None)
+    assert metrics["mismatch/k3_resumed"] == pytest.approx(math.exp(0.5) - 1.5, rel=1e-6)
+    assert metrics["mismatch/k3_staleness0"] == pytest.approx(math.exp(0.5) - 1.5, rel=1e-6)
+    assert metrics["mismatch/k3_staleness1"] == pytest.approx(math.exp(0.1) - 1.1, rel=1e-6)

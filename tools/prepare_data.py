@@ -38,6 +38,11 @@ imported):
                then one early digit (step 1-11, drawn per problem) recalled and added to the last;
                --arith-count problems with their worked answers (~180 tokens); raw prompts
   chain_test   128 more, from seeds and keys that no training problem uses (held out)
+  tail_train   generated, long-tailed response lengths (examples/cpu_long_tail.yaml, partial rollouts):
+               the chain task with its length in the prompt ("Q: 3 7 4 s2 n3 A:"), 3 steps (~40-token
+               answers) for 7 problems in 8 and 12 steps (~180 tokens, 4-5x longer) for the 8th;
+               --arith-count problems with their worked answers; raw prompts
+  tail_test    128 more from the held-out chains, lengths mixed alike
 
 GSM8K labels lose thousands separators (``1,080`` -> ``1080``). ``--easy`` keeps only easy problems,
 for a small model to get reward on CPU: GSM8K problems solved in one or two calculator steps whose
@@ -158,6 +163,8 @@ SOURCES: dict[str, Source] = {
     "long_sums_test": Source(None, None, None, lambda seed, count: long_sums("test", seed, count)),
     "chain_train": Source(None, None, None, lambda seed, count: digit_chains("train", seed, count)),
     "chain_test": Source(None, None, None, lambda seed, count: digit_chains("test", seed, count)),
+    "tail_train": Source(None, None, None, lambda seed, count: digit_chains("train", seed, count, tail=True)),
+    "tail_test": Source(None, None, None, lambda seed, count: digit_chains("test", seed, count, tail=True)),
 }
 
 
@@ -286,9 +293,11 @@ def long_sums(split: str, seed: int, count: int) -> list[Problem]:
 
 CHAIN_STEPS = 12
 CHAIN_TEST_SIZE = 128
+TAIL_SHORT_STEPS, TAIL_LONG_EVERY = 3, 8  # tail task: 3-step chains, and a 12-step one in every 8 problems
 
 
-def chain_problem(first: int, second: int, key: int, recall: int, index: str) -> Problem:
+def chain_problem(first: int, second: int, key: int, recall: int, index: str, steps: int = CHAIN_STEPS,
+                  tail: bool = False) -> Problem:
     """The long-response task built so that its steps survive eviction and its last step does not
     (measured: true at 128 slots; at 32-64 the chain itself breaks, a wrong key taken although the
     prompt holding it is kept; docs/results.md). The digits
@@ -299,35 +308,40 @@ def chain_problem(first: int, second: int, key: int, recall: int, index: str) ->
     and its digit), so a cache that keeps the recent lines keeps the chain going. Then
     ``s<recall> + s<CHAIN_STEPS>``, which must look up a line written up to ~150 tokens earlier. Raw
     prompt ``Q: 3 7 4 s5 A:``; worked answer `` s1 = 3 ; s2 = 7 ; s3 = 3 + 7 = 10 + 4 = 14 , 4 ; ...
-    s5 + s12 = 9 + 1 = 10 . The answer is 10 .``"""
+    s5 + s12 = 9 + 1 = 10 . The answer is 10 .``. ``tail``: a chain of ``steps`` digits, its length in the
+    prompt (``Q: 3 7 4 s2 n3 A:``)."""
     digits, lines = [first, second], [f" s1 = {first} ;", f" s2 = {second} ;"]
-    for k in range(3, CHAIN_STEPS + 1):
+    for k in range(3, steps + 1):
         digits.append((digits[-2] + digits[-1] + key) % 10)
         pair = digits[-3] + digits[-2]
         lines.append(f" s{k} = {digits[-3]} + {digits[-2]} = {pair} + {key} = {pair + key} , {digits[-1]} ;")
     a, b = digits[recall - 1], digits[-1]
-    worked = "".join(lines) + f" s{recall} + s{CHAIN_STEPS} = {a} + {b} = {a + b} . The answer is {a + b} ."
-    return Problem(f"Q: {first} {second} {key} s{recall} A:", str(a + b), index, True, worked=worked, raw=True)
+    worked = "".join(lines) + f" s{recall} + s{steps} = {a} + {b} = {a + b} . The answer is {a + b} ."
+    length = f" n{steps}" if tail else ""
+    return Problem(f"Q: {first} {second} {key} s{recall}{length} A:", str(a + b), index, True, worked=worked, raw=True)
 
 
-def digit_chains(split: str, seed: int, count: int) -> list[Problem]:
+def digit_chains(split: str, seed: int, count: int, tail: bool = False) -> list[Problem]:
     """Chains from seeds 0-9, 0-9 and a key 1-9 (900), shuffled by ``seed``: ``test`` one problem each
     for the first ``CHAIN_TEST_SIZE`` chains (the recalled step drawn from 1..CHAIN_STEPS-1), ``train``
     ``count`` distinct (chain, recalled step) problems from the other chains only, so held-out accuracy
-    measures the computation, not a memorised chain."""
+    measures the computation, not a memorised chain. ``tail``: every ``TAIL_LONG_EVERY``-th problem a
+    chain of ``CHAIN_STEPS`` digits, the others of ``TAIL_SHORT_STEPS``, the length in the prompt."""
     rng = random.Random(seed)
+
+    def problem(chain, pick: int, i: int) -> Problem:  # pick: a draw that gives the recalled step
+        steps = CHAIN_STEPS if not tail or i % TAIL_LONG_EVERY == 0 else TAIL_SHORT_STEPS
+        return chain_problem(*chain, pick % (steps - 1) + 1, f"{'tail' if tail else 'chain'}/{split}/{i}", steps, tail)
     chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
     rng.shuffle(chains)
     held_out, rest = chains[:CHAIN_TEST_SIZE], chains[CHAIN_TEST_SIZE:]
     if split == "test":
-        return [chain_problem(*chain, rng.randint(1, CHAIN_STEPS - 1), f"chain/test/{i}")
-                for i, chain in enumerate(held_out)]
+        return [problem(chain, rng.randint(0, CHAIN_STEPS - 2), i) for i, chain in enumerate(held_out)]
     available = len(rest) * (CHAIN_STEPS - 1)
     if count > available:
         raise PrepareError(f"--arith-count {count}: chain_train has only {available} distinct problems")
     picks = rng.sample(range(available), count)
-    return [chain_problem(*rest[p // (CHAIN_STEPS - 1)], p % (CHAIN_STEPS - 1) + 1, f"chain/train/{i}")
-            for i, p in enumerate(picks)]
+    return [problem(rest[p // (CHAIN_STEPS - 1)], p, i) for i, p in enumerate(picks)]
 
 
 # ----------------------------------------------------------------------------- output

@@ -284,6 +284,7 @@ class OverlappedRollouts:
             "reward/mean": float(batch.rewards.mean()),
             **scored.metrics("reward/"),
             "rollout/engines": float(len(shards)),
+            "rollout/samples": float(len(samples)),
             "rollout/weight_version": float(batch.weight_versions.min()),  # the oldest
             "rollout/response_len_mean": sum(response_lens) / len(response_lens),
             "rollout/truncated_fraction": sum(x.finish_reason == "length" for x in samples) / len(samples),
@@ -333,8 +334,10 @@ class OverlappedRollouts:
         pending = engine.start_generate(prompts_ids, r.n_samples_per_prompt, r.max_new_tokens, r.temperature, r.top_p,
                                         seed=cfg.trainer.seed * 100_003 + iteration * 7919, kv_override=override,
                                         prompt_offset=shard.start, top_k=r.top_k, report_support=r.truncates)
-        idle = pending.started_at - self.engine_finished_at if self.engine_finished_at is not None else 0.0
-        idle = max(idle, 0.0)  # (partial rollouts: started while another batch still ran)
+        # (partial rollouts: another batch may be running, or have finished without being collected yet)
+        running = [f.pending.finished_at for f in self.in_flight.values() if f.engine is engine]
+        last = max([t for t in running if t is not None] + [self.engine_finished_at or 0.0])
+        idle = 0.0 if None in running or not last else max(pending.started_at - last, 0.0)
         return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, budget, idle,
                         engine.weight_version)
 

@@ -374,6 +374,8 @@ class Trainer:
         waits = not self.rollouts.partial or self.cadence.needs_complete_batch(trained)
         if waits:
             self.rollouts.collect(trained, timer)
+        else:  # the probe would queue behind the requests in flight: checked by version only, the probe
+            probe = None  # runs at the pushes that wait (checkpoint, evaluation, end) and after a restart
         self.faults.at("sync", iteration)
         metrics = self.fleet.push_weights(probe, trained, timer, partial=self.cfg.rollout.partial)
         if not waits:

@@ -8,6 +8,8 @@
 #               model built on first use (~19 min), then 30 iterations with held-out evaluations (~40 min)
 #   make long-chain-study   that setting's study: dense, naive, sparse_rl x seeds 1-3, 12 iterations each
 #               (~12 min a run; resumable: runs finished in runs/ablation/long_chain are kept)
+#   make long-tail   long-tailed response lengths with partial rollouts: examples/cpu_long_tail.yaml, its data
+#               and model built on first use (~80 s), then 12 iterations
 #   again over an earlier run's folder: make demo ARGS=--resume (continue it) or ARGS=--overwrite (start anew)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -20,7 +22,7 @@ export DO_NOT_TRACK := true
 SMOLLM2 := runs/assets/smollm2-135m-instruct
 RUN ?= runs/cpu_smollm2
 
-.PHONY: env demo demo-tiny long-chain long-chain-study test test-fast mlflow-ui clean
+.PHONY: env demo demo-tiny long-chain long-chain-study long-tail test test-fast mlflow-ui clean
 
 env:
 	@bash tools/setup_env.sh $(VENV)
@@ -48,6 +50,10 @@ long-chain-study: env
 	$(CHAIN_DATA)
 	$(PY) tools/ablation.py examples/cpu_long_chain.yaml --seeds 1,2,3 --iterations 12 \
 		--set eval.interval=0 --set eval.before_training=false --out runs/ablation/long_chain $(ARGS)
+
+long-tail: env
+	$(PY) tools/prepare_data.py --benchmarks tail_train,tail_test --arith-count 2000
+	$(PY) tools/launch.py examples/cpu_long_tail.yaml $(FRESH) $(ARGS)
 
 test: env
 	$(PY) -m pytest

@@ -38,6 +38,15 @@ def test_engines_get_the_newest_weights_before_checkpoints_evaluations_and_the_e
     assert all(Cadence(iterations=10).push(t, t - 1) for t in range(1, 11))  # K = 0: after every iteration
 
 
+def test_partial_rollouts_wait_for_the_batch_ahead_before_checkpoints_evaluations_and_the_end():
+    """With partial rollouts a push pauses what is in flight, except the pushes after which a
+    checkpoint saves the batch ahead whole (no partial request in a checkpoint), an evaluation uses the
+    engines, or training ends."""
+    s = Cadence(iterations=10, max_staleness=1, save_interval=4, evaluating=True, eval_interval=5)
+    assert [t for t in range(1, 11) if s.needs_complete_batch(t)] == [4, 5, 8, 10]
+    assert [t for t in range(1, 11) if Cadence(iterations=10, max_staleness=1).needs_complete_batch(t)] == [10]
+
+
 def test_cadence_reads_the_config():
     cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml", ["trainer.iterations=10", "checkpoint.save_interval=5"])
     s = Cadence.from_config(cfg, engines_release_memory=False)

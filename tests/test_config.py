@@ -119,6 +119,11 @@ def test_override_reaches_value_and_is_validated(tmp_path):
         load_config(CPU_TINY, ["trainer.lr=fast"])
     with pytest.raises(ConfigError, match="rollout.max_staleness: must be >= 0"):
         load_config(CPU_TINY, ["rollout.max_staleness=-1"])
+    with pytest.raises(ConfigError, match=r"rollout.partial: 'stale' needs rollout.max_staleness >= 1"):
+        load_config(CPU_TINY, ["rollout.partial=stale"])
+    with pytest.raises(ConfigError, match=r"rollout.partial = False: expected one of 'none', 'stale'"):  # (YAML's off)
+        load_config(CPU_TINY, ["rollout.partial=off", "rollout.max_staleness=1"])
+    assert load_config(CPU_TINY, ["rollout.partial=reprefill", "rollout.max_staleness=1"]).rollout.partial == "reprefill"
 
 
 def _launch(*args):

@@ -413,6 +413,48 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
         (max(prompts), min(answers))
 
 
+def test_tail_rows_are_long_tailed_chains_with_their_length_in_the_prompt(tmp_path):
+    """The long-tailed task of examples/cpu_long_tail.yaml: each row's prompt names its length and its
+    worked answer is that chain, recomputed here line by line and scored 1 by the reward; one row in 8
+    is a 12-step chain, the others 3-step ones; with the task's tokenizer the long answers are >= 4x
+    the short ones, every prompt fits the example's sink of 12; no row twice; held-out chains appear in
+    no training row."""
+    from sparse_rl_mega.models.tiny import build_tokenizer
+    from sparse_rl_mega.reward.exact import exact_answer_reward
+
+    results = prepare_data.prepare(["tail_train", "tail_test"], tmp_path, arith_count=400, log=lambda *_: None)
+    train, test = ([json.loads(line) for line in results[name]["path"].read_text().splitlines()]
+                   for name in ("tail_train", "tail_test"))
+    assert (len(train), len(test)) == (400, prepare_data.CHAIN_TEST_SIZE)
+    lengths = {}
+    for row in train + test:
+        match = re.fullmatch(r"Q: (\d) (\d) ([1-9]) s(\d+) n(\d+) A:", row["prompt"])
+        assert match, row["prompt"]
+        first, second, key, recall, steps = (int(v) for v in match.groups())
+        digits = [first, second]
+        while len(digits) < steps:
+            digits.append((digits[-2] + digits[-1] + key) % 10)
+        lines = [f"s1 = {first} ;", f"s2 = {second} ;"] + [
+            f"s{k + 1} = {digits[k - 2]} + {digits[k - 1]} = {digits[k - 2] + digits[k - 1]} + {key} = "
+            f"{digits[k - 2] + digits[k - 1] + key} , {digits[k]} ;" for k in range(2, len(digits))]
+        total = digits[recall - 1] + digits[-1]
+        assert row["worked"] == " " + " ".join(lines) + (f" s{recall} + s{steps} = {digits[recall - 1]} + "
+                                                          f"{digits[-1]} = {total} . The answer is {total} .")
+        assert 1 <= recall < steps and exact_answer_reward(row["worked"], row["label"]) == 1.0
+        lengths.setdefault(row["id"].split("/")[1], []).append(steps)
+    for split in ("train", "test"):
+        steps = lengths[split]
+        assert set(steps) == {3, 12} and steps.count(12) == -(-len(steps) // 8), (split, steps.count(12))
+    assert len({r["prompt"] for r in train}) == len(train)
+    held_out = {re.match(r"Q: (\d \d \d)", r["prompt"])[1] for r in test}
+    assert not held_out & {re.match(r"Q: (\d \d \d)", r["prompt"])[1] for r in train}
+    tokenizer = build_tokenizer([r["prompt"] + r["worked"] for r in train] * 4, 320)
+    prompts = [len(tokenizer(r["prompt"])["input_ids"]) for r in train + test]
+    answer = {n: [len(tokenizer(r["worked"])["input_ids"]) for r in train + test if f" n{n} " in r["prompt"]]
+              for n in (3, 12)}
+    assert max(prompts) <= 12 and min(answer[12]) >= 4 * max(answer[3]), (max(prompts), answer[12][:3], answer[3][:3])
+
+
 # the chain task's model of the tests below: 2 layers, hidden 32
 CHAIN_LAYOUT = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
 

@@ -163,8 +163,8 @@ SOURCES: dict[str, Source] = {
     "long_sums_test": Source(None, None, None, lambda seed, count: long_sums("test", seed, count)),
     "chain_train": Source(None, None, None, lambda seed, count: digit_chains("train", seed, count)),
     "chain_test": Source(None, None, None, lambda seed, count: digit_chains("test", seed, count)),
-    "tail_train": Source(None, None, None, lambda seed, count: digit_chains("train", seed, count, tail=True)),
-    "tail_test": Source(None, None, None, lambda seed, count: digit_chains("test", seed, count, tail=True)),
+    "tail_train": Source(None, None, None, lambda seed, count: tail_chains("train", seed, count)),
+    "tail_test": Source(None, None, None, lambda seed, count: tail_chains("test", seed, count)),
 }
 
 
@@ -321,27 +321,47 @@ def chain_problem(first: int, second: int, key: int, recall: int, index: str, st
     return Problem(f"Q: {first} {second} {key} s{recall}{length} A:", str(a + b), index, True, worked=worked, raw=True)
 
 
-def digit_chains(split: str, seed: int, count: int, tail: bool = False) -> list[Problem]:
+def digit_chains(split: str, seed: int, count: int) -> list[Problem]:
     """Chains from seeds 0-9, 0-9 and a key 1-9 (900), shuffled by ``seed``: ``test`` one problem each
     for the first ``CHAIN_TEST_SIZE`` chains (the recalled step drawn from 1..CHAIN_STEPS-1), ``train``
     ``count`` distinct (chain, recalled step) problems from the other chains only, so held-out accuracy
-    measures the computation, not a memorised chain. ``tail``: every ``TAIL_LONG_EVERY``-th problem a
-    chain of ``CHAIN_STEPS`` digits, the others of ``TAIL_SHORT_STEPS``, the length in the prompt."""
+    measures the computation, not a memorised chain."""
     rng = random.Random(seed)
-
-    def problem(chain, pick: int, i: int) -> Problem:  # pick: a draw that gives the recalled step
-        steps = CHAIN_STEPS if not tail or i % TAIL_LONG_EVERY == 0 else TAIL_SHORT_STEPS
-        return chain_problem(*chain, pick % (steps - 1) + 1, f"{'tail' if tail else 'chain'}/{split}/{i}", steps, tail)
     chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
     rng.shuffle(chains)
     held_out, rest = chains[:CHAIN_TEST_SIZE], chains[CHAIN_TEST_SIZE:]
     if split == "test":
-        return [problem(chain, rng.randint(0, CHAIN_STEPS - 2), i) for i, chain in enumerate(held_out)]
+        return [chain_problem(*chain, rng.randint(1, CHAIN_STEPS - 1), f"chain/test/{i}")
+                for i, chain in enumerate(held_out)]
     available = len(rest) * (CHAIN_STEPS - 1)
     if count > available:
         raise PrepareError(f"--arith-count {count}: chain_train has only {available} distinct problems")
     picks = rng.sample(range(available), count)
-    return [problem(rest[p // (CHAIN_STEPS - 1)], p, i) for i, p in enumerate(picks)]
+    return [chain_problem(*rest[p // (CHAIN_STEPS - 1)], p % (CHAIN_STEPS - 1) + 1, f"chain/train/{i}")
+            for i, p in enumerate(picks)]
+
+
+def tail_chains(split: str, seed: int, count: int) -> list[Problem]:
+    """Long-tailed response lengths: the chain task with its length in the prompt, every
+    ``TAIL_LONG_EVERY``-th problem a chain of ``CHAIN_STEPS`` digits and the others of
+    ``TAIL_SHORT_STEPS``, each (chain, length, recalled step) once; chains split as
+    :func:`digit_chains` splits them (``test``: ``CHAIN_TEST_SIZE`` problems from the held-out chains)."""
+    rng = random.Random(seed)
+    chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
+    rng.shuffle(chains)
+    pool = chains[:CHAIN_TEST_SIZE] if split == "test" else chains[CHAIN_TEST_SIZE:]
+    count = CHAIN_TEST_SIZE if split == "test" else count
+    available = len(pool) * (TAIL_SHORT_STEPS - 1)  # (the short problems run out first)
+    if count > available * TAIL_LONG_EVERY // (TAIL_LONG_EVERY - 1):
+        raise PrepareError(f"--arith-count {count}: tail_train has only ~{available} distinct short problems")
+    problems, seen = [], set()
+    while len(problems) < count:
+        steps = CHAIN_STEPS if len(problems) % TAIL_LONG_EVERY == 0 else TAIL_SHORT_STEPS
+        chain, recall = pool[rng.randrange(len(pool))], rng.randint(1, steps - 1)
+        if (chain, steps, recall) not in seen:
+            seen.add((chain, steps, recall))
+            problems.append(chain_problem(*chain, recall, f"tail/{split}/{len(problems)}", steps, tail=True))
+    return problems
 
 
 # ----------------------------------------------------------------------------- output

@@ -328,7 +328,7 @@ class RolloutEngine:
         paused in place refuses too, even with nothing left running: its last batch stays its last
         batch until it decodes again."""
         if self.paused == "stale" or (self.in_flight and self.paused != "reprefill"):
-            self._call(phase, sglang_internals.drop_cached_prefixes(self.engine))
+            self._call(phase, sglang_internals.drop_cached_prefixes(self.engine, self.timeout_s))
             self.flush_owed = True
             return
         deadline = time.time() + FLUSH_WAIT_S

@@ -156,16 +156,17 @@ class EngineFleet:
             self.recover(failed, version)
 
     def push_weights(self, probe_ids: Optional[list[int]], version: int, timer=None,
-                     check_before: bool = True, partial: str = "none") -> dict[str, float]:
+                     check_before: bool = True) -> dict[str, float]:
         """Push the learner's shards to every engine as HF tensors, streamed layer by layer into buckets
         (every rank takes part: the pieces travel to rank 0, which pushes them to its engine in-process
         or broadcasts them to all engines), as weight ``version``. With ``probe_ids`` every engine's
         dense logprobs of that sequence are compared with the learner's after the push (and, with
         ``check_before``, before it). ``timer``: a PhaseTimer, the push is its ``sync`` phase. An
-        engine that fails meanwhile is restarted and given the weights. ``partial`` (rollout.partial's
-        KV choice): an engine with generations in flight pauses them for the push and resumes them
-        after it (``RolloutEngine.pause``); the check's probe then runs beside them."""
-        metrics, failure = self._push_once(probe_ids, version, timer, check_before, partial)
+        engine that fails meanwhile is restarted and given the weights. With partial rollouts
+        (``rollout.partial``) an engine with generations in flight pauses them for the push and
+        resumes them after it (``RolloutEngine.pause``, with the KV choice); the check's probe would
+        run beside them."""
+        metrics, failure = self._push_once(probe_ids, version, timer, check_before)
         failed = self._agree(failure)
         if failed:  # the restarted engines' push: its metrics, with this engine state's check before the push
             before = {k: v for k, v in metrics.items() if k.startswith("sync/pre_sync")}
@@ -173,7 +174,7 @@ class EngineFleet:
         self.version = version
         return metrics
 
-    def _push_once(self, probe_ids, version: int, timer, check_before: bool, partial: str = "none"):
+    def _push_once(self, probe_ids, version: int, timer, check_before: bool):
         """One push: ``(metrics, this host's EngineFailure or None)``. A host whose engine fails goes on
         taking part (marking buckets loaded, sending its pieces), so that every rank's waits and
         collectives finish."""
@@ -182,7 +183,7 @@ class EngineFleet:
         check = probe_ids is not None
         learner_logp = self.learner_logprobs(probe_ids) if check else None  # every rank takes part
         host = self.engine is not None
-        before, paused = None, 0
+        before, paused, partial = None, 0, self.cfg.rollout.partial
         try:
             if host and self.released:  # a colocated GPU engine takes its memory back first
                 self.engine.resume_memory()

@@ -486,10 +486,22 @@ async def flush_cache(engine: Any) -> bool:
     return bool((await engine.tokenizer_manager.flush_cache()).success)
 
 
-async def drop_cached_prefixes(engine: Any) -> None:
+async def drop_cached_prefixes(engine: Any, timeout_s: float) -> None:
     """Evict every cached prefix no running request holds (:func:`hook_cached_prefix_drop`), beside the
-    requests; SGLang's RPC socket is blocking, so the call waits on a worker thread."""
-    await asyncio.to_thread(engine.collective_rpc, DROP_CACHED_PREFIXES)
+    requests. SGLang's RPC socket is a blocking one (``Engine.collective_rpc`` would wait for ever on a
+    dead scheduler): the request is sent and its answer awaited on a worker thread for at most
+    ``timeout_s``."""
+    from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
+
+    def call() -> None:
+        socket = engine.send_to_rpc
+        sock_send(socket, RpcReqInput(method=DROP_CACHED_PREFIXES, parameters=None))
+        if not socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"the scheduler did not answer {DROP_CACHED_PREFIXES} in {timeout_s:g} s")
+        reply = sock_recv(socket)
+        if not reply.success:
+            raise RuntimeError(f"{DROP_CACHED_PREFIXES} failed in the scheduler: {reply.message}")
+    await asyncio.to_thread(call)
 
 
 async def internal_states(engine: Any) -> list[dict]:

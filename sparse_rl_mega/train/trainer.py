@@ -377,7 +377,7 @@ class Trainer:
         else:  # the probe would queue behind the requests in flight: checked by version only, the probe
             probe = None  # runs at the pushes that wait (checkpoint, evaluation, end) and after a restart
         self.faults.at("sync", iteration)
-        metrics = self.fleet.push_weights(probe, trained, timer, partial=self.cfg.rollout.partial)
+        metrics = self.fleet.push_weights(probe, trained, timer)
         if not waits:
             self.rollouts.start_after_push(trained)
         return metrics

@@ -52,7 +52,7 @@ long-chain-study: env
 		--set eval.interval=0 --set eval.before_training=false --out runs/ablation/long_chain $(ARGS)
 
 long-tail: env
-	$(PY) tools/prepare_data.py --benchmarks tail_train,tail_test --arith-count 2000
+	$(PY) tools/prepare_data.py --benchmarks tail_train,tail_test --arith-count 1200
 	$(PY) tools/launch.py examples/cpu_long_tail.yaml $(FRESH) $(ARGS)
 
 test: env

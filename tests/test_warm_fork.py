@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,9 +125,14 @@ def test_a_stopped_test_session_leaves_no_process(tmp_path, signum):
     (tmp_path / "test_orphan.py").write_text(ORPHANING_TEST.replace("{TOKEN!r}", repr(token)).replace(
         "{ready!r}", repr(str(ready))))
     orphans = []
+    # the session as a terminal starts it: SIGINT handled by Python and not blocked, whatever this worker's
+    # state (an ignored SIGINT is inherited through exec, and Python then leaves it ignored)
+    start = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM]); "
+             "sys.exit(pytest.main(sys.argv[1:]))")
     with open(log, "w") as out:
-        session = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "0", "-q",
-                                    "-p", "no:cacheprovider", tmp_path / "test_orphan.py"], cwd=ROOT, stdout=out,
+        session = subprocess.Popen([sys.executable, "-c", start, "-p", "tests.conftest", "-n", "0", "-q",
+                                    "-p", "no:cacheprovider", str(tmp_path / "test_orphan.py")], cwd=ROOT, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -136,7 +142,14 @@ def test_a_stopped_test_session_leaves_no_process(tmp_path, signum):
         assert ready.exists() and len(orphans) == 1, log.read_text()[-3000:]
         assert psutil.Process(orphans[0]).ppid() == session.pid  # (re-parented to the session's process, not init)
         session.send_signal(signum)
-        session.wait(timeout=60)
+        try:
+            session.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            status = {k: v.strip() for k, _, v in (line.partition(":") for line in
+                      Path(f"/proc/{session.pid}/status").read_text().splitlines()) if k in ("State", "SigBlk",
+                                                                                             "SigIgn", "SigCgt")}
+            raise AssertionError(f"the session did not end within 60 s of {signal.Signals(signum).name} "
+                                 f"({status}): {log.read_text()[-3000:]}") from None
         time.sleep(0.2)
         assert alive(orphans) == [], log.read_text()[-3000:]
     finally:

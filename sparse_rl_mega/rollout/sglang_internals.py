@@ -12,10 +12,12 @@ through what it offers:
   :class:`KVPool` (a layer's K/V buffers, slot allocation and freeing, the radix tree's eviction);
 * the hooks, each replacing one SGLang callable and calling the patch back: decode allocation, decode
   positions, the attention layer, retraction, the scheduler's internal state, admission, sampling
-  seeds, weight loading (CPU) and its progress bars;
-* on the trainer's side: the engine's event loop and tokenizer manager, its subprocess watchdog, when it
-  last answered, weight-update requests, generation with sampling supports, the shared-memory file it
-  leaves, and the module whose process starts it uses.
+  seeds, weight loading (CPU) and its progress bars; and one scheduler method the patch adds (the drop
+  of cached prefixes no request holds);
+* on the trainer's side: the engine's calls as coroutines on its event loop (generation with sampling
+  supports, cache keys and per-token weight versions; weight updates; pause and continue; the drop of
+  unused cached prefixes over the scheduler's RPC socket), its subprocess watchdog, when it last
+  answered, the shared-memory file it leaves, and the module whose process starts it uses.
 
 Written against SGLang 0.5.23 (file and line references below are to that release).
 """

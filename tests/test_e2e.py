@@ -58,7 +58,8 @@ def test_start_up_is_itemised_and_known_warnings_are_quiet(e2e_run):
 
 def test_console_says_where_things_went(e2e_run):
     """An ETA on every iteration line but the last, one line per saved checkpoint, the total at the end,
-    the MLflow run named after what ran and how to open it; no weight-loading bar for a one-file model."""
+    the MLflow run named after what ran and how to open it; no weight-loading bar for a one-file model;
+    the run folder's lock gone with the job."""
     import re
 
     from tests.conftest import ROOT
@@ -78,6 +79,7 @@ def test_console_says_where_things_went(e2e_run):
     client, run, _ = _run(e2e_run)
     assert run.info.run_name == "e2e-rkv12-sparse_rl"
     assert "loading shards" not in proc.stdout + proc.stderr
+    assert not (run_dir / ".lock").exists()  # the job's lock goes with the job
 
 
 def test_eviction_was_active_during_rollouts(e2e_run):

@@ -43,7 +43,7 @@ def test_a_folder_with_an_earlier_run_is_refused_before_anything_starts(tiny_mod
         f"config error: {config}: trainer.run_dir {run_dir} holds an earlier run (checkpoints iter_0000002 in "
         f"{run_dir / 'checkpoints'}): continue it with --resume, choose a new trainer.run_dir, or add --overwrite "
         "to remove its checkpoints and records first"), done.stderr
-    assert earlier.is_dir()
+    assert earlier.is_dir() and not (run_dir / ".lock").exists()
 
 
 def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_model_dir, tmp_path):

@@ -56,7 +56,9 @@ class FolderLocked(RuntimeError):
 class FolderLock:
     """An exclusive lock on ``<folder>/.lock`` for the lifetime of this process (POSIX record lock, so
     it also holds between hosts on NFS): the kernel releases it when the process ends, however it
-    ends. The file names the holder (host, pid, start time) for the message a second job gets."""
+    ends. The file names the holder (host, pid, start time) for the message a second job gets. A job
+    that ends removes it (:meth:`release`); one that was killed leaves it unlocked, and the next job
+    takes it."""
 
     def __init__(self, folder: Path, what: str):
         self.path = Path(folder) / ".lock"
@@ -67,21 +69,28 @@ class FolderLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
-        try:
-            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip()
-            handle.close()
+        while True:
+            handle = open(self.path, "a+")
             try:
-                h = json.loads(holder)
-                who = f"host {h['host']}, pid {h['pid']}, since {h['since']}"
-            except (ValueError, KeyError):
-                who = "another process"
-            raise FolderLocked(
-                f"{self.what} {self.path.parent} is in use by another job ({who}); stop that job first. If it no "
-                f"longer exists (a lock left behind on a shared file system), delete {self.path}") from None
+                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                break  # held by another job
+            if self._is_the_file(handle):
+                return self._hold(handle)
+            handle.close()  # its holder ended and removed it between our open and our lock: try the new one
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        try:
+            h = json.loads(holder)
+            who = f"host {h['host']}, pid {h['pid']}, since {h['since']}"
+        except (ValueError, KeyError):
+            who = "another process"
+        raise FolderLocked(
+            f"{self.what} {self.path.parent} is in use by another job ({who}); stop that job first. If it no "
+            f"longer exists (a lock left behind on a shared file system), delete {self.path}")
+
+    def _hold(self, handle) -> None:
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
@@ -89,8 +98,18 @@ class FolderLock:
         handle.flush()
         self.handle = handle  # held (and the lock with it) until this process ends
 
+    def _is_the_file(self, handle) -> bool:
+        """Whether ``handle`` is still the file at ``self.path`` (not one its holder removed meanwhile)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
     def release(self) -> None:
+        """Remove the file (still locked, so no job takes it meanwhile) and unlock."""
         if self.handle is not None:
+            if self._is_the_file(self.handle):
+                self.path.unlink()
             self.handle.close()
             self.handle = None
 

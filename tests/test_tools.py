@@ -47,6 +47,24 @@ def test_help(script):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("script", ["launch.py", "export_hf.py", "bench_sync.py"])
+def test_a_tool_started_from_another_python_says_which_python_runs_it(script):
+    """The venv's base interpreter has none of the project's packages: a tool started with it stops in one
+    line naming the environment's Python (not a ModuleNotFoundError traceback)."""
+    from pathlib import Path
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    probe = run_captured([base, "-c", "import torch"], 60)
+    if probe.returncode == 0:
+        pytest.skip(f"{base} has torch: no Python without the project's packages here")
+    done = run_captured([base, ROOT / "tools" / script, "--help"], 60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"sparse-rl-mega: this Python ({base}) has no torch") and \
+        f"{ROOT / '.venv' / 'bin' / 'python'} tools/launch.py CONFIG" in lines[0], lines[0]
+
+
+@pytest.mark.unit
 def test_make_arith_data_writes_the_committed_example_data(tmp_path):
     done = run_captured([sys.executable, ROOT / "tools" / "make_arith_data.py", tmp_path / "sums.jsonl"], 60)
     assert done.returncode == 0, done.stderr

@@ -109,16 +109,19 @@ def test_bad_data_rows_stop_the_launch_naming_file_and_line(tmp_path):
     data = tmp_path / "train.jsonl"
     good = TRAIN_DATA.read_bytes().splitlines()[:2]
     data.write_bytes(b"\n".join(good + [b'{"prompt": "caf\xff", "label": "1"}', b"", b'{"prompt": "   ", "label": "2"}',
-                                        b'{"prompt": "3 + 4 =", "label": " "}']) + b"\n")
+                                        b'{"prompt": "3 + 4 =", "label": " "}',
+                                        b'{"question": "3 + 4 =", "answer": "7"}']) + b"\n")
     path = _variant(tmp_path, lambda raw: raw["data"].update(train_path=str(data)))
     for flags in ([], ["--dry-run"]):
         proc = _launch(path, *flags)
         assert proc.returncode == 2, proc.stderr
         message = proc.stderr
-        assert f"data.train_path: {data}: 3 bad row(s)" in message
+        assert f"data.train_path: {data}: 4 bad row(s)" in message
         assert f"{data}:3: not UTF-8 (byte 0xff at byte 16 of the line)" in message
         assert f"{data}:5: key 'prompt' must be a string that is not blank, got '   '" in message
         assert f"{data}:6: key 'label' must be a number or a string that is not blank" in message
+        assert (f"{data}:7: key 'prompt' is missing (the row has 'question', 'answer'): data.prompt_key names the "
+                "row's key for it; raw question/answer rows: data.format: question_answer") in message
         assert "Traceback" not in message
     assert not (tmp_path / "run").exists() and not (tmp_path / "model-built-by-the-first-run").exists()
 
@@ -203,6 +206,30 @@ def test_max_new_tokens_must_fit_what_sglang_generates_after_the_longest_prompt(
     assert proc.returncode == 2 and _error_lines(proc) == [
         f"config error: {tmp_path / 'variant.yaml'}: rollout.max_new_tokens: 510 does not fit the model's 512 positions "
         "(model.arch.max_position_embeddings): SGLang generates at most 509, after a one-token prompt"]
+
+
+def test_inputs_that_run_but_not_as_their_settings_say_are_warned_about(tmp_path):
+    """A KV budget no request reaches (the longest prompt + max_new_tokens, with the interval: nothing
+    is ever evicted) and a data file with fewer rows than one iteration's prompts run, each with one
+    [warn] line before anything starts (the dry run prints them too)."""
+    folder = _tokenizer_folder(tmp_path / "model", positions=512)
+    data = tmp_path / "train.jsonl"
+    prompts = [" ".join(f"w{i}" for i in range(20))] + [f"w{i}" for i in range(15)]  # one of 20 words, 15 of one
+    data.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in prompts))
+    arch = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                vocab_size=384, max_position_embeddings=512)
+    path = _variant(tmp_path, lambda raw: (raw["model"].update(path=str(folder), arch=arch, create_tiny=None),
+                                           raw["data"].update(train_path=str(data))))
+    # the longest prompt: BOS + 20 words = 21 tokens; a request caches at most 21 + 24 - 1 = 44
+    assert preflight(load_config(path, ["rollout.kv_compression.budget=42"])).warnings == []
+    checked = preflight(load_config(path, ["rollout.kv_compression.budget=43", "data.prompts_per_iteration=32"]))
+    assert checked.problems == [] and checked.warnings == [
+        "rollout.kv_compression.budget: 43 + interval 2 exceeds the longest prompt (21 tokens) + "
+        "rollout.max_new_tokens (24): no request is ever compressed, the run decodes dense",
+        f"data.train_path: 16 row(s) in {data}, fewer than data.prompts_per_iteration=32: every batch repeats prompts"]
+    dry = _launch(path, "--dry-run", "--set", "rollout.kv_compression.budget=4096")
+    assert dry.returncode == 0 and "[warn] rollout.kv_compression.budget: 4096 + interval 2 exceeds" in dry.stdout, \
+        dry.stdout + dry.stderr
 
 
 # ----------------------------------------------------------------------------- torchrun's world

@@ -269,6 +269,8 @@ def main(argv=None) -> int:
         print("config OK (dry run: nothing started)")
         for line in checked.not_here:
             print(f"  not on this machine, not checked: {line}")
+        for line in checked.warnings:
+            print(f"[warn] {line}")
         return 0
     if args.plan:
         from sparse_rl_mega.cli.planner import format_plan, plan_memory
@@ -279,7 +281,11 @@ def main(argv=None) -> int:
         return 0 if plan.fits else 3
     from sparse_rl_mega.runtime.jobs import earlier_run, earlier_run_problem, held_by_launcher
 
-    problems = [] if held_by_launcher() else preflight(cfg).problems  # (a launcher checked them already)
+    checked = None if held_by_launcher() else preflight(cfg)  # (a launcher checked them already)
+    problems = checked.problems if checked is not None else []
+    if checked is not None and not problems and os.environ.get("LOCAL_RANK", "0") == "0":
+        for line in checked.warnings:
+            print(f"[warn] {line}", flush=True)
     if under_torchrun and not held_by_launcher():
         if args.overwrite:  # a restart by torchrun would remove the job's own checkpoints
             problems.append("--overwrite: not under torchrun (its restarts would remove this job's own "

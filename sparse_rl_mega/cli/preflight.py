@@ -33,6 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 class Preflight:
     problems: list[str] = field(default_factory=list)  # one line each: "KEY: what is wrong (what to do)"
     not_here: list[str] = field(default_factory=list)  # inputs absent on this machine (--dry-run only)
+    warnings: list[str] = field(default_factory=list)  # inputs that run, but not as their settings say
 
 
 def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = None) -> Preflight:
@@ -51,7 +52,12 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
     model_ready = check_model_folder(cfg, report, absent)
     datasets = load_datasets(cfg, report, absent, model_ready)
     if model_ready and not report.problems:
-        report.problems += length_problems(cfg, datasets)
+        report.problems += length_problems(cfg, datasets, report.warnings)
+    train = datasets.get("data.train_path")
+    if train is not None and len(train.records) < cfg.data.prompts_per_iteration:
+        report.warnings.append(f"data.train_path: {len(train.records)} row(s) in {cfg.data.train_path}, fewer than "
+                               f"data.prompts_per_iteration={cfg.data.prompts_per_iteration}: every batch repeats "
+                               f"prompts")
     return report
 
 
@@ -153,11 +159,12 @@ def response_room(positions: int, prompt_tokens: int) -> int:
     return max_req_len - 1 - prompt_tokens
 
 
-def length_problems(cfg: RunConfig, datasets: dict) -> list[str]:
+def length_problems(cfg: RunConfig, datasets: dict, warnings: Optional[list] = None) -> list[str]:
     """The longest prompt + ``max_new_tokens`` against what SGLang generates on this model (its positions,
     or the KV pool ``rollout.max_total_tokens`` if smaller: :func:`response_room`), for each setting of
     ``max_new_tokens`` (the held-out set's is the rollout's unless ``eval.max_new_tokens`` is set):
-    beyond it SGLang cuts responses short without a word, or refuses the prompt."""
+    beyond it SGLang cuts responses short without a word, or refuses the prompt. A KV budget that no
+    request can reach (the longest prompt + ``max_new_tokens``) is a warning, added to ``warnings``."""
     counter = PromptTokenCounter(cfg.model.path)
     context, pool = cfg.model.arch.max_position_embeddings, cfg.rollout.max_total_tokens
     positions = min(context, pool) if pool else context
@@ -180,6 +187,15 @@ def length_problems(cfg: RunConfig, datasets: dict) -> list[str]:
         elif new_tokens > room:
             problems.append(f"{key}: {new_tokens} new tokens do not fit after the longest prompt ({tokens} tokens, "
                             f"{where}) in {limit}: SGLang generates at most {room} (positions - prompt - 2)")
+    kv = cfg.rollout.kv_compression
+    train = longest.get(settings["data.train_path"]) if "data.train_path" in datasets else None
+    if warnings is not None and kv.policy != "none" and train is not None and kv.auto_budget is None:
+        most = train[0] + cfg.rollout.max_new_tokens - 1  # the most a request caches before its last token
+        reach = kv.budget + 1 if kv.trigger == "newline" else kv.budget + kv.interval  # (kv.replay.should_compress)
+        if reach > most:
+            warnings.append(f"rollout.kv_compression.budget: {kv.budget} + interval {kv.interval} exceeds the longest "
+                            f"prompt ({train[0]} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}): no "
+                            f"request is ever compressed, the run decodes dense")
     return problems
 
 

@@ -48,6 +48,12 @@ class PromptLabelFormat:
         self.prompt_key, self.label_key = prompt_key, label_key
 
     def __call__(self, row: dict) -> tuple[str, str]:
+        for key, setting in ((self.prompt_key, "data.prompt_key"), (self.label_key, "data.label_key")):
+            if key not in row:
+                raise RowError(f"key {key!r} is missing (the row has {', '.join(map(repr, row)) or 'no key'}): "
+                               f"{setting} names the row's key for it"
+                               + ("; raw question/answer rows: data.format: question_answer"
+                                  if "question" in row else ""))
         prompt = row.get(self.prompt_key)
         if not isinstance(prompt, str) or not prompt.strip():
             raise RowError(f"key {self.prompt_key!r} must be a string that is not blank, got {prompt!r}")

@@ -132,6 +132,33 @@ def test_checkpoint_saved_and_only_last_kept(e2e_run):
         assert (run_dir / "checkpoints" / name / "sparse_rl_mega.json").is_file()
 
 
+def test_a_resume_with_another_model_is_refused_before_anything_starts(e2e_run, tiny_model_dir, tmp_path):
+    """``--resume`` into this run's folder with a config of another model shape: the checkpoint it would
+    load is compared with the config before any process starts (one line naming the checkpoint and the
+    differences), not in every rank after the engine and the learner started; the same shape passes."""
+    from sparse_rl_mega.cli.preflight import resume_problem
+    from sparse_rl_mega.config import load_config
+    from tests.conftest import write_test_config
+
+    import json
+
+    run_dir, _ = e2e_run
+    same = write_test_config(tmp_path / "same.yaml", tiny_model_dir, run_dir)
+    assert resume_problem(load_config(same, ["checkpoint.resume=auto"])) is None
+    bigger = tmp_path / "bigger-model"  # (its config.json is all the check reads)
+    bigger.mkdir()
+    (bigger / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 512}))
+    config = write_test_config(tmp_path / "other.yaml", bigger, run_dir)
+    other = load_config(config, ["checkpoint.resume=auto", "model.arch.hidden_size=128", "model.arch.num_layers=2"])
+    assert resume_problem(other) == (
+        f"checkpoint.resume: {run_dir / 'checkpoints' / 'iter_0000003'} holds another model than this config's "
+        "(model.arch.num_layers: 4 -> 2; model.arch.hidden_size: 64 -> 128; model.arch.head_dim: 16 -> 32): resume it "
+        "with the config that saved "
+        "it, or give this one a new trainer.run_dir")
+
+
 def test_held_out_evaluation_matches_transformers_greedy(e2e_run, tiny_model_dir, hf_model, tmp_path):
     """The trainer's held-out evaluation (greedy, on the rollout engine, between iterations) scores what
     transformers' greedy decoding of the same prompts scores: with the initial weights before training

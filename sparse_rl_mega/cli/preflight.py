@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
+from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, find_checkpoint, read_marker
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -50,6 +51,9 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
     if unreachable:
         absent(unreachable)
     model_ready = check_model_folder(cfg, report, absent)
+    mismatch = resume_problem(cfg)
+    if mismatch:
+        report.problems.append(mismatch)
     datasets = load_datasets(cfg, report, absent, model_ready)
     if model_ready and not report.problems:
         report.problems += length_problems(cfg, datasets, report.warnings)
@@ -59,6 +63,38 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
                                f"data.prompts_per_iteration={cfg.data.prompts_per_iteration}: every batch repeats "
                                f"prompts")
     return report
+
+
+def resume_problem(cfg: RunConfig) -> Optional[str]:
+    """``checkpoint.resume``: the checkpoint it would load (the newest complete one) must hold a model of
+    the config's shape (``model.arch`` as saved in its marker); otherwise its load fails in every rank
+    after the engines and the learner started. None when it fits or nothing is resumed."""
+    if cfg.checkpoint.resume is None:
+        return None
+    try:
+        path = find_checkpoint(cfg.checkpoint.resume, checkpoint_folder(cfg))
+    except FileNotFoundError as exc:
+        return str(exc)
+    saved = ((read_marker(path).get("config") or {}).get("model") or {}).get("arch") if path is not None else None
+    if not saved:
+        return None
+    current = cfg.to_dict()["model"]["arch"]
+    changes = config_changes(_shape(saved), _shape(current), "model.arch.")
+    if not changes:
+        return None
+    return (f"checkpoint.resume: {path} holds another model than this config's ({'; '.join(changes[:4])}"
+            f"{'; ...' if len(changes) > 4 else ''}): resume it with the config that saved it, or give this one a new "
+            f"trainer.run_dir")
+
+
+def _shape(arch: dict) -> dict:
+    """What a checkpoint's tensors depend on, from a resolved ``model.arch``: its sizes and the width of a
+    head (``head_dim``, else ``hidden_size / num_attention_heads``)."""
+    shape = {key: arch.get(key) for key in ("family", "num_layers", "hidden_size", "ffn_hidden_size",
+                                            "num_attention_heads", "num_query_groups", "vocab_size")}
+    heads = arch.get("num_attention_heads") or 1
+    shape["head_dim"] = arch.get("head_dim") or (arch.get("hidden_size") or 0) // heads
+    return shape
 
 
 def world_problems(cfg: RunConfig, environ) -> list[str]:

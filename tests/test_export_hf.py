@@ -148,6 +148,34 @@ def test_export_checkpoint_to_hf(e2e_run, tiny_model_dir, tmp_path):
     assert done.returncode == 2 and "is not empty (pass --force" in done.stderr, done.stderr[-2000:]
 
 
+def test_export_verifies_checkpoints_as_a_resume_does(e2e_run, tmp_path):
+    """A copy of the run's checkpoints whose newest has a cut shard: given the folder, the export skips it
+    with one line naming the file and takes the newest that verifies, saying which; given the cut one, it
+    stops with one line (no traceback). (The output folder is left non-empty so nothing is exported.)"""
+    import shutil
+
+    run_dir, _ = e2e_run
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(run_dir / "checkpoints", copy)
+    newest = copy / "iter_0000003"
+    shard = next(p for p in sorted(newest.rglob("*.distcp")))
+    with open(shard, "r+b") as handle:
+        handle.truncate(shard.stat().st_size // 2)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("")
+    done = _export(copy, "--out", busy)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"[export] checkpoint iter_0000003 skipped: it does not verify: {shard}: " in done.stdout, done.stdout
+    assert f"[export] iter_0000002: the newest of the 2 complete checkpoint(s) under {copy} that verifies" in \
+        done.stdout, done.stdout
+    assert f"--out {busy} is not empty" in done.stderr
+    done = _export(newest, "--out", tmp_path / "out")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"export_hf.py: checkpoint {newest} does not verify: {shard}: "), lines
+
+
 def _fake_checkpoint(root: Path, marker: dict) -> Path:
     folder = root / "checkpoints" / "iter_0000001"
     folder.mkdir(parents=True)

@@ -115,16 +115,24 @@ def export_config(saved: dict, model_dir: Path, nproc: int, tp: int, pp: int, so
 
 def prepare(args: argparse.Namespace, nproc: int) -> Plan:
     """Check everything that can be checked before loading; raise :class:`ExportError` with a clear message."""
-    from sparse_rl_mega.runtime.checkpoint_files import MARKER, find_checkpoint, read_marker
+    from sparse_rl_mega.runtime.checkpoint_files import MARKER, newest_verified, read_marker, resume_candidates, verify
 
     spec = Path(args.checkpoint)
     if not spec.exists():
         raise ExportError(f"{spec}: no such checkpoint folder")
     try:
-        checkpoint = find_checkpoint(str(spec), spec)
+        candidates, explicit = resume_candidates(str(spec), spec)
     except FileNotFoundError:
         raise ExportError(f"{spec}: no complete checkpoint there (expected {MARKER} in it, or iter_* folders "
                           f"holding one under it; a checkpoint still being written has none yet)") from None
+    try:  # the sizes and digests of every file, as a resumed run checks them; the newest that verifies
+        checkpoint = newest_verified(candidates, explicit, verify, lambda line: print(line, flush=True), "checkpoint",
+                                     "[export]")
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if not explicit:
+        print(f"[export] {checkpoint.name}: the newest of the {len(candidates)} complete checkpoint(s) under {spec} "
+              f"that verifies", flush=True)
     marker = read_marker(checkpoint)
     if "config" not in marker or "iteration" not in marker:
         raise ExportError(f"{checkpoint}: {MARKER} is not a training checkpoint's marker (no 'iteration' / 'config'; "

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # (a BaseExcep
 from sparse_rl_mega.learner.model import Learner
 from sparse_rl_mega.learner.weights import as_chunks, chunks_sharded_state_dict
 from sparse_rl_mega.runtime.checkpoint_files import (MARKER, checkpoint_bytes, complete_checkpoints, data_files,
-                                                     digest_of, free_bytes, read_marker, resume_candidates, size_text,
+                                                     digest_of, free_bytes, newest_verified, read_marker, resume_candidates, size_text,
                                                      storage_cause, verify)
 from sparse_rl_mega.runtime.jobs import JobWideError
 
@@ -236,19 +236,11 @@ def choose_resume_checkpoint(spec: str, default_dir: str | Path, log: Callable[[
     listed = [resume_candidates(spec, default_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(listed, src=0)  # (one listing: ranks on other hosts see the same files)
     candidates, explicit = listed[0]
-    for path in candidates:
-        problem = verify_on_all_ranks(path)
-        if problem is None:
-            return path
-        if explicit:
-            raise CheckpointCorrupt(f"checkpoint.resume {path} does not verify: {problem}; name another "
-                                    f"checkpoint, or use --resume for the newest one that verifies")
-        log(f"[setup] checkpoint {path.name} skipped: it does not verify: {problem}")
-    if candidates:
-        raise CheckpointCorrupt(f"none of the {len(candidates)} complete checkpoint(s) under "
-                                f"{candidates[0].parent} verifies (the skipped lines above say why); start "
-                                f"anew in another trainer.run_dir, or with --overwrite")
-    return None
+    try:
+        return newest_verified(candidates, explicit, verify_on_all_ranks, log, "checkpoint.resume", "[setup]")
+    except ValueError as exc:
+        hint = "" if explicit else "; start anew in another trainer.run_dir, or with --overwrite"
+        raise CheckpointCorrupt(f"{exc}{hint}") from None
 
 
 def load_checkpoint(learner: Learner, path: str | Path) -> dict:

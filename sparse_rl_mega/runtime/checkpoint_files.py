@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import xxhash
 
@@ -225,6 +225,26 @@ def find_checkpoint(spec: str, default_dir: str | Path) -> Optional[Path]:
         return candidates[0]
     return next((p for p in candidates if verify(p, full=False) is None), None)
 
+
+
+def newest_verified(candidates: list[Path], explicit: bool, verify_one: Callable[[Path], Optional[str]],
+                    log: Callable[[str], None], what: str, skipped: str) -> Optional[Path]:
+    """The first of ``candidates`` (newest first, :func:`resume_candidates`) for which ``verify_one`` finds no
+    problem; each one skipped is logged (``skipped``: the line's prefix). ``explicit`` (one checkpoint
+    named) or none verifying raises :class:`ValueError` with one line (``what``: the setting or argument
+    that named them). None when there is no candidate."""
+    for path in candidates:
+        problem = verify_one(path)
+        if problem is None:
+            return path
+        if explicit:
+            raise ValueError(f"{what} {path} does not verify: {problem}; name another checkpoint, or its folder "
+                             f"for the newest one that verifies")
+        log(f"{skipped} checkpoint {path.name} skipped: it does not verify: {problem}")
+    if candidates:
+        raise ValueError(f"none of the {len(candidates)} complete checkpoint(s) under {candidates[0].parent} "
+                         f"verifies (the skipped lines above say why)")
+    return None
 
 
 def read_marker(path: str | Path) -> dict:

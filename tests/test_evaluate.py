@@ -163,7 +163,8 @@ OK = ["{model}", "--benchmarks", "{bench}"]  # a command line that passes (place
     (["{model}", "--benchmarks", "mine"], "--benchmarks mine: {tmp}/mine.jsonl not found (tools/prepare_data.py "
                                           "makes gsm8k, "),
     (["{model}", "--benchmarks", "{tmp}/bad.jsonl"],
-     "--benchmarks {tmp}/bad.jsonl: {tmp}/bad.jsonl: 1 bad row(s): {tmp}/bad.jsonl:1: key 'label' must be"),
+     "--benchmarks {tmp}/bad.jsonl: {tmp}/bad.jsonl: 1 bad row(s): {tmp}/bad.jsonl:1: key 'label' is missing (the "
+     "row has 'prompt')\n"),
 ])
 def test_a_bad_command_line_fails_in_one_line_before_any_engine(no_engine, fake_inputs, tmp_path, capsys, argv,
                                                                 message):

@@ -44,16 +44,17 @@ def _label_text(value: Any) -> Optional[str]:
 class PromptLabelFormat:
     """``{prompt_key: str, label_key: str | number}`` rows; the prompt is used as written."""
 
-    def __init__(self, prompt_key: str = "prompt", label_key: str = "label"):
-        self.prompt_key, self.label_key = prompt_key, label_key
+    def __init__(self, prompt_key: str = "prompt", label_key: str = "label", from_config: bool = False):
+        """``from_config``: the keys are the run config's ``data.prompt_key`` / ``data.label_key`` (a
+        missing key's message names them)."""
+        self.prompt_key, self.label_key, self.from_config = prompt_key, label_key, from_config
 
     def __call__(self, row: dict) -> tuple[str, str]:
         for key, setting in ((self.prompt_key, "data.prompt_key"), (self.label_key, "data.label_key")):
             if key not in row:
-                raise RowError(f"key {key!r} is missing (the row has {', '.join(map(repr, row)) or 'no key'}): "
-                               f"{setting} names the row's key for it"
-                               + ("; raw question/answer rows: data.format: question_answer"
-                                  if "question" in row else ""))
+                hint = "" if not self.from_config else f": {setting} names the row's key for it" + (
+                    "; raw question/answer rows: data.format: question_answer" if "question" in row else "")
+                raise RowError(f"key {key!r} is missing (the row has {', '.join(map(repr, row)) or 'no key'}){hint}")
         prompt = row.get(self.prompt_key)
         if not isinstance(prompt, str) or not prompt.strip():
             raise RowError(f"key {self.prompt_key!r} must be a string that is not blank, got {prompt!r}")
@@ -171,7 +172,8 @@ def load_prompt_dataset(data_cfg, default_tokenizer: Optional[str | Path] = None
     else at ``default_tokenizer`` (the trainer passes ``model.path``); loaded here so that every rank
     can build the dataset before the model exists on it."""
     if data_cfg.format == "prompt_label":
-        return PromptDataset(data_cfg.train_path, data_cfg.prompt_key, data_cfg.label_key)
+        return PromptDataset(data_cfg.train_path, row_format=PromptLabelFormat(data_cfg.prompt_key, data_cfg.label_key,
+                                                                              from_config=True))
     tokenizer = None
     if data_cfg.apply_chat_template:
         path = data_cfg.tokenizer or default_tokenizer

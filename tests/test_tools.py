@@ -190,6 +190,24 @@ def test_gpu_ipc_check_hands_buckets_over_on_the_cpu_bit_for_bit(tmp_path):
     assert "bit for bit True" in ipc_summary(ipc)
 
 
+@pytest.mark.unit
+def test_bench_tools_check_their_inputs_before_anything_starts(tmp_path):
+    """A KV budget the policies refuse stops bench_rollout.py in one line naming the flags (not a traceback
+    from the engine 44 s later); bench_sync.py runs tools/launch.py's pre-flight: a missing data file
+    is one line naming the key, before any rank or engine starts."""
+    started = time.perf_counter()
+    done = run_tool(ROOT / "tools" / "bench_rollout.py", "--budget", "8", "--policies", "rkv", timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(
+        "error: --budget 8 with --sink 4 --window 8 (rkv): budget 8 must exceed sink + window = 12"), done.stderr
+    missing = tmp_path / "none.jsonl"
+    done = run_tool(ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",
+                    f"--set=data.train_path={missing}", "--set=tracking.enabled=false", timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"config error: {ROOT / 'examples' / 'cpu_tiny.yaml'}: data.train_path: {missing} is not a file (a jsonl of "
+        "prompts and labels)"), done.stderr[-3000:]
+    assert time.perf_counter() - started < 30 and "Traceback" not in done.stderr
+
+
 def test_bench_sync_times_both_methods_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "sync.json"
     done = run_tool(ROOT / "tools" / "bench_sync.py", ROOT / "examples" / "cpu_tiny.yaml",

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from sparse_rl_mega.kv import PolicyError, build_policy  # noqa: E402 (after the path)
 from sparse_rl_mega.kv.registry import policy_class, policy_names  # noqa: E402 (after the path)
 
 DEFAULT_MODEL = ROOT / "runs" / "assets" / "tiny-llama-sums"
@@ -44,10 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=32, help="concurrent requests (prompts)")
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--interval", type=int, default=16)
-    p.add_argument("--window", type=int, default=8)
-    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--budget", type=int, default=64,
+                   help="KV slots a compressed request keeps; more than --sink + --window (default: %(default)s)")
+    p.add_argument("--interval", type=int, default=16, help="decode steps between compressions (default: %(default)s)")
+    p.add_argument("--window", type=int, default=8,
+                   help="recent tokens always kept, whose queries score the others (default: %(default)s)")
+    p.add_argument("--sink", type=int, default=4, help="first tokens always kept (default: %(default)s)")
     policies = ",".join(policy_names())
     p.add_argument("--policies", default=policies, help=f"comma-separated subset of {policies}")
     p.add_argument("--selections", default="per_layer,shared",
@@ -64,7 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the dense variant (only each policy's own figures, e.g. its time in compression; "
                         "no ratios)")
     p.add_argument("--json", default=None, help="write all figures here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for policy in (name for name in args.policies.split(",") if name):  # before any engine starts
+        if policy not in policy_names():
+            p.error(f"--policies: unknown policy {policy!r}; known: {', '.join(policy_names())}")
+        try:
+            build_policy(policy, sink=args.sink, window=args.window).check_budget(args.budget)
+        except (PolicyError, ValueError) as exc:
+            p.error(f"--budget {args.budget} with --sink {args.sink} --window {args.window} ({policy}): {exc}")
+    return args
 
 
 def ensure_model(path: Path) -> None:

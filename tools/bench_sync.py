@@ -173,6 +173,13 @@ def main(argv=None) -> int:
     from sparse_rl_mega.train.forked_ranks import run_script_ranks, start_job_rank_server
 
     cfg = load_config_or_exit(args.config, args.overrides)
+    from sparse_rl_mega.cli.preflight import preflight
+
+    problems = preflight(cfg).problems  # the inputs tools/launch.py checks (data, model folder, lengths)
+    if problems:
+        for line in problems:
+            print(f"config error: {args.config}: {line}", file=sys.stderr)
+        return 2
     # torchrun's agent here, the ranks forked from here on a CPU (as tools/launch.py runs a job)
     return run_script_ranks(cfg.parallel.nproc_per_node, str(Path(__file__).resolve()), list(argv or sys.argv[1:]),
                             start_job_rank_server(cfg), "bench_sync")

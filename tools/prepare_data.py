@@ -321,15 +321,21 @@ def chain_problem(first: int, second: int, key: int, recall: int, index: str, st
     return Problem(f"Q: {first} {second} {key} s{recall}{length} A:", str(a + b), index, True, worked=worked, raw=True)
 
 
+def _split_chains(seed: int) -> tuple[random.Random, list, list]:
+    """The 900 chains (seeds 0-9, 0-9, key 1-9) shuffled by ``seed``: (the generator, which draws on,
+    the first ``CHAIN_TEST_SIZE`` held out, the rest)."""
+    rng = random.Random(seed)
+    chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
+    rng.shuffle(chains)
+    return rng, chains[:CHAIN_TEST_SIZE], chains[CHAIN_TEST_SIZE:]
+
+
 def digit_chains(split: str, seed: int, count: int) -> list[Problem]:
     """Chains from seeds 0-9, 0-9 and a key 1-9 (900), shuffled by ``seed``: ``test`` one problem each
     for the first ``CHAIN_TEST_SIZE`` chains (the recalled step drawn from 1..CHAIN_STEPS-1), ``train``
     ``count`` distinct (chain, recalled step) problems from the other chains only, so held-out accuracy
     measures the computation, not a memorised chain."""
-    rng = random.Random(seed)
-    chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
-    rng.shuffle(chains)
-    held_out, rest = chains[:CHAIN_TEST_SIZE], chains[CHAIN_TEST_SIZE:]
+    rng, held_out, rest = _split_chains(seed)
     if split == "test":
         return [chain_problem(*chain, rng.randint(1, CHAIN_STEPS - 1), f"chain/test/{i}")
                 for i, chain in enumerate(held_out)]
@@ -346,10 +352,8 @@ def tail_chains(split: str, seed: int, count: int) -> list[Problem]:
     ``TAIL_LONG_EVERY``-th problem a chain of ``CHAIN_STEPS`` digits and the others of
     ``TAIL_SHORT_STEPS``, each (chain, length, recalled step) once; chains split as
     :func:`digit_chains` splits them (``test``: ``CHAIN_TEST_SIZE`` problems from the held-out chains)."""
-    rng = random.Random(seed)
-    chains = [(x, y, key) for x in range(10) for y in range(10) for key in range(1, 10)]
-    rng.shuffle(chains)
-    pool = chains[:CHAIN_TEST_SIZE] if split == "test" else chains[CHAIN_TEST_SIZE:]
+    rng, held_out, rest = _split_chains(seed)
+    pool = held_out if split == "test" else rest
     count = CHAIN_TEST_SIZE if split == "test" else count
     available = len(pool) * (TAIL_SHORT_STEPS - 1)  # (the short problems run out first)
     if count > available * TAIL_LONG_EVERY // (TAIL_LONG_EVERY - 1):

@@ -321,8 +321,9 @@ class OverlappedRollouts:
         records = self.dataset.batch(iteration, cfg.data.prompts_per_iteration, cfg.data.seed, cfg.data.shuffle)
         shard = prompt_shard(len(records), len(self.fleet.placements), self.fleet.placement.index)
         prompts_ids = [encode_prompt(self.tokenizer, records[i].prompt) for i in shard]
-        overlapping = self.partial and self.kv_collected is not None and self.kv_collected[0] is engine
-        kv_before = self.kv_collected[1] if overlapping else engine.kv_stats()
+        kv_before = self._counters_at_last_collection(engine)
+        if kv_before is None:
+            kv_before = engine.kv_stats()
         budget, override = None, None
         if r.kv_compression.policy != "none":
             budget = r.kv_compression.budget
@@ -341,15 +342,23 @@ class OverlappedRollouts:
         return InFlight(engine, iteration, shard, [records[i].label for i in shard], pending, kv_before, budget, idle,
                         engine.weight_version)
 
+    def _counters_at_last_collection(self, engine: RolloutEngine) -> Optional[dict]:
+        """Partial rollouts: ``engine``'s KV counters when its last shard was collected (None otherwise,
+        or when that was another engine, one since restarted)."""
+        if self.partial and self.kv_collected is not None and self.kv_collected[0] is engine:
+            return self.kv_collected[1]
+        return None
+
     def _finish_shard(self, shard: InFlight, timer) -> dict:
         """Host: wait for ``shard``'s samples and score them."""
         engine = shard.engine
         with timer.phase("rollout"):
             samples = shard.pending.result()
             kv_after = engine.kv_stats()
-        kv_before = shard.kv_before
-        if self.partial and self.kv_collected is not None and self.kv_collected[0] is engine:
-            kv_before = self.kv_collected[1]  # (the batches overlapped: the engine's work since then)
+        # (partial rollouts: the batches overlapped, so the engine's work since the previous collection)
+        kv_before = self._counters_at_last_collection(engine)
+        if kv_before is None:
+            kv_before = shard.kv_before
         self.kv_collected = (engine, kv_after)
         self.engine_finished_at = max(shard.pending.finished_at, self.engine_finished_at or 0.0)
         for sample in samples:  # the iteration's prompt numbering (GRPO group ids)

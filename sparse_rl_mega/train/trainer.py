@@ -365,17 +365,16 @@ class Trainer:
         sync/ metrics. The push waits for the batch in flight (overlapped rollouts), except with partial
         rollouts (``rollout.partial``) when no checkpoint, evaluation or end follows: the engines then
         pause what is in flight, take the weights, resume it and start the batches the bound allows."""
-        probe = None
-        if self.cfg.trainer.verify_sync:
+        trained = iteration + 1
+        waits = not self.rollouts.partial or self.cadence.needs_complete_batch(trained)
+        probe = None  # (a push that does not wait: its probe would queue behind the requests in flight, so
+        # it is checked by version only; the probe runs at the pushes that wait and after a restart)
+        if self.cfg.trainer.verify_sync and waits:
             # a fixed, fully known sequence: the first sample of this batch (prompt + response)
             length = int(batch.response_mask[0].nonzero().max()) + 2 if batch.response_mask[0].any() else 2
             probe = [int(batch.input_ids[0, 0])] + batch.labels[0, :length - 1].tolist()
-        trained = iteration + 1
-        waits = not self.rollouts.partial or self.cadence.needs_complete_batch(trained)
         if waits:
             self.rollouts.collect(trained, timer)
-        else:  # the probe would queue behind the requests in flight: checked by version only, the probe
-            probe = None  # runs at the pushes that wait (checkpoint, evaluation, end) and after a restart
         self.faults.at("sync", iteration)
         metrics = self.fleet.push_weights(probe, trained, timer)
         if not waits:

@@ -315,9 +315,13 @@ def test_flush_waits_until_the_engine_is_idle(evicting_engine):
         return answers[-1]
     sglang_internals.flush_cache = counted_flush  # (SGLang still answers: this only records its answers)
     try:
-        running = engine._submit(sglang_internals.generate(engine.engine, prompt, {"max_new_tokens": 150,
+        steps_before = engine.kv_stats()["decode_steps"]
+        running = engine._submit(sglang_internals.generate(engine.engine, prompt, {"max_new_tokens": 450,
                                                                                     "ignore_eos": True}))
-        engine._call("test", asyncio.sleep(0.3))  # it reaches the scheduler
+        deadline = time.time() + 30
+        while engine.kv_stats()["decode_steps"] == steps_before:  # it decodes (a sleep raced a fast machine)
+            assert time.time() < deadline and not running.done()
+            engine._call("test", asyncio.sleep(0.005))
         engine.flush_cache()  # (not owed: the request was sent beside the engine's own generations)
         assert running.done() and answers[0] is False and answers[-1] is True, answers
     finally:

@@ -61,8 +61,12 @@ test: env
 test-fast: env
 	$(PY) -m pytest -m unit
 
+# one process: MLflow's default 4 workers and its job runner (which no run here uses) each import MLflow
+# first, and did not answer for minutes on a busy 2-core machine
+PORT ?= 5000
 mlflow-ui: env
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(RUN)/mlflow.db --host 127.0.0.1 --port 5000
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(RUN)/mlflow.db \
+		--host 127.0.0.1 --port $(PORT) --workers 1
 
 clean:
 	rm -rf runs

@@ -3,13 +3,21 @@ use is refused with the holder named, and a user's mistake in the data is one li
 any worker starts; rendezvous ports are not taken by other connections before torchrun binds them.
 (Engine crashes and hangs during a run: tests/test_resume.py; non-finite steps:
 tests/test_layout_invariance.py; the KV soak: tests/test_engine_retraction.py.)"""
+import json
 import os
 import time
 
 import psutil
 import pytest
 
+from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import ROOT, TRAIN_DATA, alive, run_launch, start_script, write_test_config
+
+
+def run_status(run_dir, run_id: str) -> str:
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir)).get_run(run_id).info.status
 
 
 def test_bad_data_rows_are_reported_before_anything_starts(tiny_model_dir, tmp_path):
@@ -50,7 +58,9 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
     """SIGKILL of ``tools/launch.py`` while its job runs (injected as the second rollout starts, after a
     checkpoint was saved): every process of the job (learner ranks, SGLang scheduler and detokenizer,
     the engine's process server) is gone within seconds. While it ran, a second job on the
-    same run folder stopped at once, naming the first one's host and pid."""
+    same run folder stopped at once, naming the first one's host and pid. What the job could not end
+    itself, the next launch into its folder ends, naming it: its engine's /dev/shm file, recorded by
+    its rank, and its MLflow run, left RUNNING (then KILLED)."""
     run_dir = tmp_path / "run"
     config = write_test_config(tmp_path / "job.yaml", tiny_model_dir, run_dir)
     log = tmp_path / "job.log"
@@ -82,6 +92,23 @@ def test_killed_launcher_leaves_no_process_and_its_lock_names_the_holder(tiny_mo
             time.sleep(0.2)
         assert not alive(seen), [(p, psutil.Process(p).cmdline()[:3]) for p in alive(seen)]
         assert "[iter 2/50]" not in log.read_text()  # nothing trained on without it
+        # what it could not end: its engine's /dev/shm file (named in its rank's record) and its MLflow run
+        (record,) = (run_dir / ".shm_files").glob("*.txt")
+        left = [line.split(" ", 1)[1] for line in record.read_text().splitlines() if line.startswith("file ")]
+        assert len(left) == 1 and os.path.exists(left[0]), record.read_text()
+        killed_run = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+        assert run_status(run_dir, killed_run) == "RUNNING"
+        # the next launch into the folder ends both, with a line each
+        started = time.perf_counter()
+        done = run_launch(config, "--overwrite", "--set=trainer.iterations=1", timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert (f"[setup] removed 1 file(s) an earlier job in {run_dir} left in /dev/shm (its engines were killed): "
+                f"{os.path.basename(left[0])}") in done.stdout, done.stdout[-3000:]
+        assert f"[tracking] MLflow run 'job-rkv12-sparse_rl' ({killed_run}) was left RUNNING by its job: ended as " \
+               f"KILLED" in done.stdout, done.stdout[-3000:]
+        assert not os.path.exists(left[0]) and not (run_dir / ".shm_files").exists()
+        assert run_status(run_dir, killed_run) == "KILLED"
+        print(f"next launch: {time.perf_counter() - started:.1f} s")
     finally:
         for pid in [job.pid, *seen]:
             try:

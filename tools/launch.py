@@ -226,16 +226,33 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
                         else "; no restarts left (--max-restarts)" if args.max_restarts else "")
                 print(f"[launch] {what}{then}", file=sys.stderr, flush=True)
                 if not left:
+                    end_mlflow_run(cfg, "FAILED")
                     return 1
                 overrides.append("checkpoint.resume=auto")
         return 1
     except (SignalException, KeyboardInterrupt) as exc:  # the agent has stopped the workers
         name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
         print(f"[launch] stopped by {name}; {resume_hint(cfg)}", file=sys.stderr, flush=True)
+        end_mlflow_run(cfg, "KILLED")
         return 128 + (exc.sigval if isinstance(exc, SignalException) else 2)
     finally:
+        # the ranks have ended: what their killed engines left in /dev/shm goes now (rollout/shm_record.py)
+        from sparse_rl_mega.rollout.shm_record import sweep_and_say
+
+        sweep_and_say(cfg.trainer.run_dir, "[launch]", "this job",
+                      lambda line: print(line, file=sys.stderr, flush=True))
         for lock in locks:
             lock.release()
+
+
+def end_mlflow_run(cfg, status: str) -> None:
+    """The ranks are stopped: end the MLflow run they logged to if rank 0 could not (it was killed)."""
+    if cfg.tracking.enabled:
+        from sparse_rl_mega.train.tracking import end_left_running
+
+        line = end_left_running(cfg.trainer.run_dir, status)
+        if line:
+            print(line, file=sys.stderr, flush=True)
 
 
 def report_problems(config: str, problems: list[str]) -> int:

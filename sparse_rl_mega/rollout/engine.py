@@ -25,7 +25,7 @@ import torch
 from sparse_rl_mega.batch import GeneratedSample
 from sparse_rl_mega.config.hf import hf_shape
 from sparse_rl_mega.kv.engine_settings import ENV_VAR, REQUEST_KEY, EngineKVSettings
-from sparse_rl_mega.rollout import forkserver, sglang_internals
+from sparse_rl_mega.rollout import forkserver, sglang_internals, shm_record
 from sparse_rl_mega.rollout.engine_args import check_engine_tp, check_request_kv, server_arguments, support_cap
 from sparse_rl_mega.rollout.engine_processes import (engine_process_env, exit_description, keep_process_on_child_crash,
                                                      own_event_loop, process_names, without_launcher_env)
@@ -97,6 +97,7 @@ class RolloutEngine:
         self.kv = kv
         self.model_path = model_path
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
+        sglang_internals.announce_load_snapshot_files(lambda path: shm_record.note(f"file {path}"))
         with engine_process_env(on_cpu), own_event_loop():
             if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
                 forkserver.use_forkserver()
@@ -124,6 +125,7 @@ class RolloutEngine:
         self.flush_owed = False  # a flush asked while requests ran: done before the next generation starts
         self.failure: Optional[EngineFailure] = None
         self.processes = process_names(self.engine.get_all_child_pids())  # {pid: name}
+        shm_record.note("pids " + " ".join(map(str, self.processes)))
         self.on_cpu = on_cpu
         self.started = forkserver.how_started(self.processes)  # (said in start-up lines)
         self.on_shutdown = None  # called after shutdown (EngineStart releases its thread)
@@ -358,7 +360,7 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self._release_loop()
-            self._remove_load_snapshot()
+            shm_record.remove_engine_files(self.engine, self.processes)
             self.engine = None
         if self.on_shutdown is not None:
             self.on_shutdown()
@@ -392,19 +394,10 @@ class RolloutEngine:
                 pass
         forkserver.forget(self.processes)
         self._release_loop()
-        self._remove_load_snapshot()
+        shm_record.remove_engine_files(self.engine, self.processes)
         self.engine = None
         if self.on_shutdown is not None:
             self.on_shutdown()
-
-    def _remove_load_snapshot(self) -> None:
-        """Remove the /dev/shm file SGLang's scheduler left (its processes are gone by now)."""
-        path = sglang_internals.load_snapshot_file(self.engine)
-        if path is not None:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def _release_loop(self) -> None:
         """Cancel the tokenizer manager's tasks, stop the engine's loop and its thread (bounded: a call

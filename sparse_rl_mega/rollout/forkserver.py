@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import importlib
 import multiprocessing
+import signal
 import threading
 from typing import Optional
 
@@ -87,6 +88,9 @@ class EngineProcess(WarmProcess):
         # over the whole heap; ~3 of an engine's ~9 CPU-s in a 3-iteration launch of the test config.
         gc.freeze()
         _tqdm_lock_without_tracker()
+        # a Ctrl-C reaches the whole terminal's process group: an engine process ends with its owner
+        # (shut down, or its parent-death signal), not with a KeyboardInterrupt traceback of its own
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _tqdm_lock_without_tracker() -> None:

@@ -17,7 +17,8 @@ through what it offers:
 * on the trainer's side: the engine's calls as coroutines on its event loop (generation with sampling
   supports, cache keys and per-token weight versions; weight updates; pause and continue; the drop of
   unused cached prefixes over the scheduler's RPC socket), its subprocess watchdog, when it last
-  answered, the shared-memory file it leaves, and the module whose process starts it uses.
+  answered, the shared-memory files it leaves (named before it starts), and the module whose process
+  starts it uses.
 
 Written against SGLang 0.5.23 (file and line references below are to that release).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
@@ -32,6 +34,7 @@ import torch
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
 SGLANG_VERSION = "0.5.23"
+SHM_DIR = "/dev/shm"
 
 
 class SGLangVersionError(RuntimeError):
@@ -601,6 +604,40 @@ def token_versions(meta_info: dict, output_tokens: int) -> list[str]:
         raise RuntimeError(f"SGLang's weight-version spans {spans} cover {len(versions)} tokens of an output of "
                            f"{output_tokens}")
     return versions
+
+
+_announce_load_snapshot: Optional[Callable[[str], None]] = None
+
+
+def announce_load_snapshot_files(callback: Callable[[str], None]) -> None:
+    """Call ``callback(path)`` with the load-snapshot file (:func:`load_snapshot_file`) of each engine this
+    process starts, before any of its processes exists to create it: ``PortArgs.init_new``
+    (``server_args.py``), which draws the engine's ``instance_id`` in this process, is wrapped once."""
+    global _announce_load_snapshot
+    from sglang.srt.managers.load_snapshot import shm_path_for
+    from sglang.srt.server_args import PortArgs
+
+    if _announce_load_snapshot is None:
+        make = PortArgs.init_new
+
+        def init_new(*args, **kwargs):
+            port_args = make(*args, **kwargs)
+            if port_args.instance_id:
+                _announce_load_snapshot(shm_path_for(port_args.instance_id))
+            return port_args
+        PortArgs.init_new = staticmethod(init_new)
+    _announce_load_snapshot = callback
+
+
+def pid_stamped_shm_files(pids: Iterable[int]) -> list[str]:
+    """The /dev/shm files that SGLang processes ``pids`` created under names stamped with their pid
+    (``utils/stale_shm_cleanup.make_shm_name``: ``sgl_shm_<kind>_<pid>_<random>``; the TP group's
+    message queues among them)."""
+    wanted = {str(pid) for pid in pids}
+    if not wanted or not os.path.isdir(SHM_DIR):
+        return []
+    return [os.path.join(SHM_DIR, name) for name in sorted(os.listdir(SHM_DIR))
+            if name.startswith("sgl_shm_") and len(name.split("_")) >= 4 and name.split("_")[-2] in wanted]
 
 
 def load_snapshot_file(engine: Any) -> Optional[str]:

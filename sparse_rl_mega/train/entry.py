@@ -4,6 +4,7 @@ and lock released however it ends."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.learner.cpu_shims import apply_if_cpu
+from sparse_rl_mega.rollout import shm_record
 from sparse_rl_mega.rollout.engine_processes import preload_cpu_engines
 from sparse_rl_mega.rollout.placement import hosts_an_engine
 from sparse_rl_mega.runtime import watchdog
@@ -34,6 +36,8 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     except Exception as exc:  # noqa: BLE001 (FolderLocked: one line)
         print_error(f"[error] rank {rank}: {exc}")
         raise SystemExit(1) from None
+    if hosts_an_engine(cfg, rank):  # (/dev/shm files of the engines: none outlives the job)
+        shm_record.start_recording(cfg.trainer.run_dir, log=lambda line: print(line, flush=True))
     # Megatron's TP layers order their async gradient all-reduce after the matmul only with one CUDA
     # work queue (it warns otherwise; Megatron-LM's scripts export it); the engine does not inherit it
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -51,11 +55,14 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
     dist.init_process_group(backend="gloo" if on_cpu else "cpu:gloo,cuda:nccl", timeout=timeout)
     watchdog.start(cfg, rank, dist.get_world_size())
     trainer = Trainer(cfg, launched_at)
-    ok = job_wide = False
+    ok = job_wide = stopped = False
     try:
         trainer.setup()
         trainer.run()
         ok = True
+    except KeyboardInterrupt:  # Ctrl-C reaches the ranks too: their launcher says it
+        stopped = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the agent passes it on again: the close goes on)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 (one line here, the traceback in the run folder)
         line = report_failure(exc, cfg.trainer.run_dir, rank)
         job_wide = isinstance(exc, JobWideError)
@@ -63,12 +70,13 @@ def run_training(cfg: RunConfig, launched_at: Optional[float] = None) -> None:
         if not lost_a_peer(exc) and not (job_wide and rank != 0):
             print_error(line)
     finally:
-        trainer.close(ok)
+        trainer.close(ok, stopped)
         if dist.is_initialized():
             if ok or job_wide:  # (job-wide: the others wait for rank 0's line before they end)
                 dist.barrier()
             watchdog.stop()
             dist.destroy_process_group()
+        shm_record.stop_recording()
         for lock in locks:
             lock.release()
     sys.stdout.flush()

@@ -79,6 +79,7 @@ def seed_sqlite_store(tracking_uri: str) -> None:
     shutil.copyfile(template, target)
 
 
+RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run the newest job there logs to
 UNSENT_FILE = "mlflow_unsent.jsonl"  # in the run folder: values logged that the store has not taken yet
 RETRY_MAX_S = 15.0  # the longest wait between two tries to reach a store that does not answer
 # one try of an HTTP request to a tracking server: MLflow's own defaults (7 retries, backoff factor 2,
@@ -279,6 +280,9 @@ class Tracker:
         else:
             experiment_id = experiment.experiment_id
         config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        line = end_left_running(run_dir, "KILLED", keep=resume_run_id)
+        if line:
+            log(line)
         if resume_run_id is not None and self._exists(resume_run_id):
             run = client.get_run(resume_run_id)
             client.update_run(resume_run_id, status="RUNNING")
@@ -295,6 +299,7 @@ class Tracker:
             for start in range(0, len(params), 100):  # MLflow caps a batch at 100 params
                 client.log_batch(self.run_id, params=params[start:start + 100])
             client.log_text(self.run_id, config_text, "config.yaml")
+        write_run_record(run_dir, self.run_id, self.tracking_uri)
         self.queue = MetricQueue(client, self.tracking_uri, run_dir / UNSENT_FILE, log)
 
     def how_to_open(self) -> str:
@@ -336,6 +341,42 @@ class Tracker:
         self.queue.put({"run_id": self.run_id, "status": status})
         self.run_id = None
         return self.queue.close(self.flush_timeout_s if wait_s is None else wait_s)
+
+
+def write_run_record(run_dir: Path, run_id: str, tracking_uri: str) -> None:
+    """Name the run this job logs to in ``<run_dir>/mlflow_run.json`` (atomic), for whoever must end it
+    when this job cannot: its launcher after the ranks were stopped, or the next job in this folder."""
+    partial = run_dir / f"{RUN_RECORD}.partial"
+    partial.write_text(json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}) + "\n")
+    os.replace(partial, run_dir / RUN_RECORD)
+
+
+def end_left_running(run_dir: str | Path, status: str, keep: Optional[str] = None) -> Optional[str]:
+    """End the run ``<run_dir>/mlflow_run.json`` names with ``status`` (``KILLED``, ``FAILED``) if it is
+    still RUNNING: its job ended without ending it (killed ranks, a killed launcher). ``keep``: a run
+    the caller continues (a resume), left as it is. Returns the line that says what was done (None
+    when nothing was left running); a store that does not answer is said in that line, not raised."""
+    import mlflow
+
+    path = Path(run_dir) / RUN_RECORD
+    try:
+        record = json.loads(path.read_text())
+        run_id, uri = record["run_id"], record["tracking_uri"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if run_id == keep:
+        return None
+    bound_http_requests()
+    try:
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        if run.info.status != "RUNNING":
+            return None
+        client.set_terminated(run_id, status)
+    except Exception as exc:  # noqa: BLE001 (the store is gone or refuses: said, the job goes on)
+        return (f"[tracking] could not end MLflow run {run_id} at {uri}, left RUNNING by a job that ended without "
+                f"ending it ({why_unreachable(exc)})")
+    return f"[tracking] MLflow run {run.info.run_name!r} ({run_id}) was left RUNNING by its job: ended as {status}"
 
 
 def send_unsent(run_dir: Path, tracking_uri: Optional[str] = None) -> str:

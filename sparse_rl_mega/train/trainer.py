@@ -469,7 +469,8 @@ class Trainer:
                                     f"gradient norm (trainer.max_consecutive_skips={limit}); the newest complete "
                                     f"checkpoint under {self.checkpoint_dir()} is the last good state")
 
-    def close(self, ok: bool) -> None:
+    def close(self, ok: bool, stopped: bool = False) -> None:
+        """``stopped``: by the user (Ctrl-C): the MLflow run ends KILLED, else FAILED unless ``ok``."""
         # a failed job waits less for a tracking store that does not answer: the next launch sends the rest
         wait_s = self.cfg.tracking.flush_timeout_s if ok else min(10.0, self.cfg.tracking.flush_timeout_s)
         # shutting down waits for the tracking store and the engines, each with its bound: the watchdog's
@@ -477,7 +478,7 @@ class Trainer:
         watchdog.enter("shutdown", bound_s=wait_s + ENGINE_CLOSE_WAIT_S + SHUTDOWN_SLACK_S)
         clock = PhaseClock()
         if self.tracker is not None:
-            unsent = self.tracker.finish("FINISHED" if ok else "FAILED", wait_s)
+            unsent = self.tracker.finish("FINISHED" if ok else "KILLED" if stopped else "FAILED", wait_s)
             if unsent:
                 log(unsent)
             clock.mark("MLflow")

@@ -471,12 +471,43 @@ def _stopped(signum, frame) -> None:
     os._exit(128 + signum)
 
 
+# ----------------------------------------------------------------- nothing of ours left in /dev/shm
+# SGLang's load snapshots and TP queues: every engine a test starts and every job a test kills must leave
+# none (rollout/shm_record.py). Counted by name: those made during the session and still there at its end
+# fail it (this machine's other processes' files are not counted). multiprocessing's named semaphores
+# (sem.mp-*) are unlinked by its resource trackers once their processes are gone, which the session's
+# end does last (pytest_unconfigure): any still there after that are named.
+SGLANG_SHM, MULTIPROCESSING_SHM = ("sglang_loads_", "sgl_shm_"), ("sem.mp-",)
+_shm_at_start: set[str] = set()
+
+
+def _shm_files(families: tuple[str, ...]) -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(families)} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+def _shm_left(families: tuple[str, ...]) -> Optional[str]:
+    left = sorted(_shm_files(families) - _shm_at_start)
+    return f"\n[tests] {len(left)} file(s) made during the session are left in /dev/shm: {', '.join(left[:10])}" \
+        if left else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return
+    line = _shm_left(SGLANG_SHM)
+    if line:
+        print(line, file=sys.__stderr__, flush=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_configure(config):
     import ctypes
     import signal
 
     if hasattr(config, "workerinput"):  # (an xdist worker: the controller is the subreaper)
         return
+    _shm_at_start.update(_shm_files(SGLANG_SHM + MULTIPROCESSING_SHM))
     global _is_controller
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _is_controller = bool(getattr(config.option, "numprocesses", None))
@@ -492,6 +523,9 @@ def pytest_unconfigure(config):
     if killed:
         print(f"\n[tests] ended {len(killed)} process(es) that outlived their tests: {', '.join(killed[:20])}",
               file=sys.__stderr__, flush=True)
+    line = _shm_left(MULTIPROCESSING_SHM)
+    if line:
+        print(line, file=sys.__stderr__, flush=True)
 
 
 def _warm_server_pid() -> Optional[int]:

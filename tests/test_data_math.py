@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlflow
 import psutil
 import pytest
 
@@ -541,6 +542,13 @@ def test_the_long_chain_study_trains_under_compression_and_ends_with_its_tool(tm
             time.sleep(0.2)
         assert not alive(seen), [(pid, psutil.Process(pid).cmdline()[:3]) for pid in alive(seen)]
         assert "[launch] stopped by SIGTERM" in log.read_text(), log.read_text()[-3000:]
+        # its ranks died by the agent's SIGTERM: the launch ended their MLflow run and their engine's files
+        client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.info.status == "KILLED", run.info
+        assert re.search(r"\[launch\] removed 1 file\(s\) this job in \S+ left in /dev/shm \(its engines were "
+                         r"killed\): sglang_loads_\w+\.shm", log.read_text()), log.read_text()[-3000:]
+        assert not (tmp_path / "out" / "naive" / ".shm_files").exists()
     finally:
         for pid in [tool.pid, *seen]:
             try:

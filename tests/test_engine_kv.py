@@ -4,6 +4,7 @@ One engine serves every test in this module: StreamingLLM by default and, per re
 (``kv_override``), with SGLang's strict idle memory check on, so a leaked or double-freed KV slot
 crashes the engine. Budget 12, sink 2, window 4, interval 2: caches swing between 12 and 14 tokens.
 """
+import os
 import time
 
 import pytest
@@ -109,8 +110,12 @@ def tp2_engine(tiny_model_dir):
 
     engine = RolloutEngine(str(tiny_model_dir), EngineKVSettings(**ENGINE_KV, allow_request_override=True), seed=0,
                            max_total_tokens=2048, max_running_requests=16, tp_size=2)
+    # SGLang's TP message queues in /dev/shm (~24 MiB), named after the scheduler that made them
+    queues = sglang_internals.pid_stamped_shm_files(engine.processes)
+    assert queues, sorted(os.listdir(sglang_internals.SHM_DIR))
     yield engine
-    engine.shutdown()
+    engine.shutdown()  # (its processes end by SIGKILL: SGLang's own unlink does not run)
+    assert not [path for path in queues if os.path.exists(path)], queues
 
 
 @pytest.mark.parametrize("name", ["rkv", "rkv-shared", "snapkv-shared-layer-sum", "h2o"])

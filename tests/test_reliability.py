@@ -132,3 +132,54 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     assert len(set(ports)) > 1
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[0]))
+
+
+@pytest.mark.unit
+def test_a_sweep_removes_only_what_dead_processes_recorded(tmp_path):
+    """``rollout/shm_record.py``: a sweep of a run folder removes the /dev/shm files that records of this
+    host's dead processes list (a pid-stamped file once its process is dead), and no other: not those a
+    live process records (its record is locked), nor another host's, nor a file no record names."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import uuid
+
+    from sparse_rl_mega.rollout.shm_record import RECORD_FOLDER, sweep
+
+    tag, made = uuid.uuid4().hex[:8], []
+
+    def shm(name: str) -> str:
+        made.append(f"/dev/shm/{name}")
+        open(made[-1], "w").close()
+        return made[-1]
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead_loads, live_loads, unrecorded, other_host = (shm(f"sglang_loads_test{tag}_{n}.shm") for n in "abcd")
+    dead_queue, live_queue = shm(f"sgl_shm_mq_{ended.pid}_{tag}"), shm(f"sgl_shm_mq_{os.getpid()}_{tag}")
+    folder = tmp_path / RECORD_FOLDER
+    folder.mkdir()
+    dead_record = folder / f"{socket.gethostname()}-{ended.pid}.txt"
+    dead_record.write_text(f"file {dead_loads}\npids {ended.pid} {os.getpid()}\n")
+    (folder / "another-host-1.txt").write_text(f"file {other_host}\n")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from sparse_rl_mega.rollout.shm_record import ShmRecord\n"
+        f"record = ShmRecord({str(tmp_path)!r}); record.open(); record.add('file {live_loads}')\n"
+        "print('held', flush=True); time.sleep(120)")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        removed = sweep(tmp_path)
+        assert sorted(removed) == sorted(os.path.basename(p) for p in (dead_loads, dead_queue)), removed
+        assert all(os.path.exists(p) for p in (live_loads, unrecorded, other_host, live_queue))
+        assert dead_record.exists()  # (a process it names still runs: this one)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        assert sweep(tmp_path) == [os.path.basename(live_loads)]
+        assert sorted(p.name for p in folder.iterdir()) == sorted(["another-host-1.txt", dead_record.name])
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        for path in made:
+            if os.path.exists(path):
+                os.unlink(path)

@@ -136,3 +136,49 @@ def test_the_next_launch_sends_what_an_earlier_job_left_unsent_first(tmp_path, m
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert _history(client, earlier, "a") == [(4, 4.5), (5, 5.5), (6, 6.5)]
     assert client.get_run(earlier).info.status == "FINISHED"  # (the resumed run's end comes last)
+
+
+# ----------------------------------------------------------------- the UI a user opens
+
+
+def test_make_mlflow_ui_is_one_process_that_answers(tmp_path, monkeypatch):
+    """``make mlflow-ui`` serves the run folder's store from one process: MLflow's default (4 uvicorn
+    workers and a job runner, each importing MLflow first) did not answer for minutes on a busy 2-core
+    machine. The page and the API answer (bounded wait: a hang fails, the time is printed)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    import psutil
+
+    from sparse_rl_mega.runtime.ports import free_port
+    from tests.conftest import ROOT
+
+    for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_experiment("e2e-test")
+    port, log = free_port(), open(tmp_path / "ui.log", "w")
+    ui = subprocess.Popen(["make", "-s", "mlflow-ui", f"RUN={tmp_path}", f"PORT={port}"], cwd=ROOT, stdout=log,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+    started = time.perf_counter()
+    try:
+        deadline, page = time.time() + 120, None
+        while page is None and time.time() < deadline and ui.poll() is None:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).status
+            except OSError:
+                time.sleep(0.2)
+        assert page == 200, (tmp_path / "ui.log").read_text()[-2000:]
+        print(f"mlflow-ui answered after {time.perf_counter() - started:.1f} s")
+        search = urllib.request.Request(f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/experiments/search",
+                                        data=b'{"max_results": 10}', headers={"Content-Type": "application/json"})
+        assert b"e2e-test" in urllib.request.urlopen(search, timeout=10).read()
+        pythons = [p.cmdline() for p in psutil.Process(ui.pid).children(recursive=True) if "python" in p.name()]
+        assert len(pythons) == 1, pythons
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=30)
+        log.close()

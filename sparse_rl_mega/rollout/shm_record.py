@@ -115,7 +115,7 @@ class ShmRecord:
     def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            handle = open(self.path, "a")
+            handle = open(self.path, "a+")
             fcntl.lockf(handle, fcntl.LOCK_EX)  # (no other process takes a live one's lock for long)
             try:
                 if os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino:
@@ -136,7 +136,8 @@ class ShmRecord:
         record; else the next job's sweep finishes it."""
         if self.handle is None:
             return
-        lines = self.path.read_text().splitlines()
+        self.handle.seek(0)  # (read through the locked handle: closing another one would drop the lock)
+        lines = self.handle.read().splitlines()
         _remove_listed(lines)
         if _record_is_done(lines):
             self.path.unlink(missing_ok=True)

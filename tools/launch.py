@@ -240,7 +240,7 @@ def run_job(cfg: RunConfig, args: argparse.Namespace) -> int:
         from sparse_rl_mega.rollout.shm_record import sweep_and_say
 
         sweep_and_say(cfg.trainer.run_dir, "[launch]", "this job",
-                      lambda line: print(line, file=sys.stderr, flush=True))
+                      lambda line: print(line, file=sys.stderr, flush=True), wait_s=5.0)
         for lock in locks:
             lock.release()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -73,9 +74,19 @@ def _record_is_done(lines: list[str]) -> bool:
     return True
 
 
-def sweep(run_dir: str | Path) -> list[str]:
+def _wait_for_pids(lines: list[str], wait_s: float) -> None:
+    """Wait at most ``wait_s`` for the processes ``lines`` name to end (an owner's engine processes end
+    by their parent-death signal, just after it)."""
+    pids = [int(pid) for line in lines if line.startswith("pids ") for pid in line.split()[1:] if pid.isdigit()]
+    deadline = time.monotonic() + wait_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def sweep(run_dir: str | Path, wait_s: float = 0.0) -> list[str]:
     """Remove what the records of this host's dead processes in ``run_dir`` list, and those records; the
-    names of the files removed. A record still locked belongs to a live process (this job's) and stays."""
+    names of the files removed. A record still locked belongs to a live process (this job's) and stays.
+    ``wait_s``: how long to wait for the engine processes a dead owner's record names to end."""
     folder = Path(run_dir) / RECORD_FOLDER
     removed: list[str] = []
     for record in sorted(folder.glob(f"{_host()}-*.txt")) if folder.is_dir() else []:
@@ -91,6 +102,7 @@ def sweep(run_dir: str | Path) -> list[str]:
             except OSError:
                 continue  # its process lives
             lines = handle.read().splitlines()
+            _wait_for_pids(lines, wait_s)
             removed += _remove_listed(lines)
             if _record_is_done(lines):
                 record.unlink(missing_ok=True)
@@ -158,9 +170,10 @@ def start_recording(run_dir: str | Path, log: Callable[[str], None] = print) -> 
     _record.open()
 
 
-def sweep_and_say(run_dir: str | Path, tag: str, whose: str, log: Callable[[str], None] = print) -> None:
+def sweep_and_say(run_dir: str | Path, tag: str, whose: str, log: Callable[[str], None] = print,
+                  wait_s: float = 0.0) -> None:
     """:func:`sweep`, and one line naming what it removed (nothing when it removed nothing)."""
-    removed = sweep(run_dir)
+    removed = sweep(run_dir, wait_s)
     if removed:
         shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
         log(f"{tag} removed {len(removed)} file(s) {whose} in {run_dir} left in /dev/shm (its engines were "

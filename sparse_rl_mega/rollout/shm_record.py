@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Optional
 import psutil
 
 from sparse_rl_mega.rollout import sglang_internals
+from sparse_rl_mega.runtime.jobs import lock_file
 
 RECORD_FOLDER = ".shm_files"  # in the run folder
 
@@ -42,45 +43,45 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _remove_listed(lines: Iterable[str]) -> list[str]:
-    """Remove the files ``lines`` name (those of live processes stay); the names removed."""
-    removed = []
+def _listed(lines: Iterable[str]) -> tuple[list[str], list[int]]:
+    """The files and the engine processes a record's ``lines`` name."""
+    files, pids = [], []
     for line in lines:
         kind, _, rest = line.strip().partition(" ")
         if kind == "file":
-            paths = [rest]
+            files.append(rest)
         elif kind == "pids":
-            dead = [int(pid) for pid in rest.split() if pid.isdigit() and not _alive(int(pid))]
-            paths = sglang_internals.pid_stamped_shm_files(dead)
-        else:
-            continue
-        for path in paths:
-            try:
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-            except FileNotFoundError:
-                pass
+            pids += [int(pid) for pid in rest.split() if pid.isdigit()]
+    return files, pids
+
+
+def _unlink(paths: Iterable[str]) -> list[str]:
+    """Remove ``paths``; the names of those that were there."""
+    removed = []
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
     return removed
 
 
-def _record_is_done(lines: list[str]) -> bool:
-    """Whether nothing a record lists can still exist (its pid-stamped files wait for live pids)."""
-    for line in lines:
-        kind, _, rest = line.strip().partition(" ")
-        if kind == "file" and os.path.exists(rest):
-            return False
-        if kind == "pids" and any(pid.isdigit() and _alive(int(pid)) for pid in rest.split()):
-            return False
-    return True
-
-
-def _wait_for_pids(lines: list[str], wait_s: float) -> None:
-    """Wait at most ``wait_s`` for the processes ``lines`` name to end (an owner's engine processes end
-    by their parent-death signal, just after it)."""
-    pids = [int(pid) for line in lines if line.startswith("pids ") for pid in line.split()[1:] if pid.isdigit()]
+def _clear(record: Path, lines: list[str], wait_s: float) -> list[str]:
+    """Remove what a record whose owner has ended (or ends now: this process's own) lists, after waiting
+    at most ``wait_s`` for the engine processes it names to end (by their parent-death signal, just after
+    their owner); then the record itself, unless a pid-stamped file may still come from a process that
+    lives. The names of the files removed."""
+    files, pids = _listed(lines)
     deadline = time.monotonic() + wait_s
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+    running = [pid for pid in pids if _alive(pid)]
+    removed = _unlink(files + sglang_internals.pid_stamped_shm_files(set(pids) - set(running)))
+    if not running:
+        record.unlink(missing_ok=True)
+        _remove_if_empty(record.parent)
+    return removed
 
 
 def sweep(run_dir: str | Path, wait_s: float = 0.0) -> list[str]:
@@ -101,11 +102,7 @@ def sweep(run_dir: str | Path, wait_s: float = 0.0) -> list[str]:
                 fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # its process lives
-            lines = handle.read().splitlines()
-            _wait_for_pids(lines, wait_s)
-            removed += _remove_listed(lines)
-            if _record_is_done(lines):
-                record.unlink(missing_ok=True)
+            removed += _clear(record, handle.read().splitlines(), wait_s)
     _remove_if_empty(folder)
     return removed
 
@@ -126,16 +123,7 @@ class ShmRecord:
 
     def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            handle = open(self.path, "a+")
-            fcntl.lockf(handle, fcntl.LOCK_EX)  # (no other process takes a live one's lock for long)
-            try:
-                if os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino:
-                    self.handle = handle
-                    return
-            except FileNotFoundError:
-                pass
-            handle.close()  # a sweep found it unlocked and removed it between our open and our lock
+        self.handle, _ = lock_file(self.path, wait=True)  # (a sweep holds a dead record's lock only briefly)
 
     def add(self, line: str) -> None:
         """Append ``line`` durably (it must be on disk before the file it names can exist)."""
@@ -144,16 +132,12 @@ class ShmRecord:
         os.fsync(self.handle.fileno())
 
     def close(self) -> None:
-        """Remove what the record lists (the engines have ended) and, when nothing of it is left, the
-        record; else the next job's sweep finishes it."""
+        """Remove what the record lists (the engines have ended) and, when nothing of it can come back,
+        the record; else the next job's sweep finishes it."""
         if self.handle is None:
             return
         self.handle.seek(0)  # (read through the locked handle: closing another one would drop the lock)
-        lines = self.handle.read().splitlines()
-        _remove_listed(lines)
-        if _record_is_done(lines):
-            self.path.unlink(missing_ok=True)
-            _remove_if_empty(self.path.parent)
+        _clear(self.path, self.handle.read().splitlines(), 0.0)
         self.handle.close()
         self.handle = None
 
@@ -196,8 +180,4 @@ def note(line: str) -> None:
 def remove_engine_files(sglang_engine, pids: Iterable[int]) -> None:
     """An engine's processes are gone: remove its load snapshot and the files stamped with their pids."""
     path = sglang_internals.load_snapshot_file(sglang_engine)
-    for name in ([path] if path else []) + sglang_internals.pid_stamped_shm_files(pids):
-        try:
-            os.unlink(name)
-        except FileNotFoundError:
-            pass
+    _unlink(([path] if path else []) + sglang_internals.pid_stamped_shm_files(pids))

@@ -2,6 +2,7 @@
 the run (and checkpoint) folder, and one line per failure with the traceback in the run folder."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.checkpoint_files import MARKER, checkpoint_folder, complete_checkpoints
@@ -49,6 +50,30 @@ class JobWideError(RuntimeError):
     written): rank 0 alone prints it."""
 
 
+def lock_file(path: Path, wait: bool) -> tuple[IO, bool]:
+    """Open ``path`` (made if missing; appending, and reading) and take its POSIX record lock, waiting for
+    it with ``wait``: the handle, and whether it is locked (False: another process holds it; the handle
+    stays open to read the file). A holder that ends removes its file: one removed between our open and
+    our lock is not the file at ``path`` any more, and the new one is opened."""
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return handle, False
+        if is_the_file(path, handle):
+            return handle, True
+        handle.close()
+
+
+def is_the_file(path: Path, handle: IO) -> bool:
+    """Whether ``handle`` is still the file at ``path`` (not one its holder removed meanwhile)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
 class FolderLocked(RuntimeError):
     """Another job writes the folder."""
 
@@ -66,19 +91,11 @@ class FolderLock:
         self.handle = None
 
     def acquire(self) -> None:
-        import fcntl
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            handle = open(self.path, "a+")
-            try:
-                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                break  # held by another job
-            if self._is_the_file(handle):
-                return self._hold(handle)
-            handle.close()  # its holder ended and removed it between our open and our lock: try the new one
-        handle.seek(0)
+        handle, locked = lock_file(self.path, wait=False)
+        if locked:
+            return self._hold(handle)
+        handle.seek(0)  # held by another job: it names itself in the file
         holder = handle.read().strip()
         handle.close()
         try:
@@ -98,17 +115,10 @@ class FolderLock:
         handle.flush()
         self.handle = handle  # held (and the lock with it) until this process ends
 
-    def _is_the_file(self, handle) -> bool:
-        """Whether ``handle`` is still the file at ``self.path`` (not one its holder removed meanwhile)."""
-        try:
-            return os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino
-        except FileNotFoundError:
-            return False
-
     def release(self) -> None:
         """Remove the file (still locked, so no job takes it meanwhile) and unlock."""
         if self.handle is not None:
-            if self._is_the_file(self.handle):
+            if is_the_file(self.path, self.handle):
                 self.path.unlink()
             self.handle.close()
             self.handle = None

@@ -108,6 +108,7 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
     response_mask = torch.zeros(n, width)
     logp_sparse = torch.zeros(n, width)
     token_versions = torch.zeros(n, width, dtype=torch.int32)
+    oldest_versions = torch.zeros(n, dtype=torch.long)
     for i, s in enumerate(samples):
         full = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         length = full.numel() - 1
@@ -116,7 +117,9 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
         start = len(s.prompt_ids) - 1  # label position of the first response token
         response_mask[i, start:start + len(s.response_ids)] = 1.0
         logp_sparse[i, start:start + len(s.response_ids)] = torch.tensor(s.logp_sparse, dtype=torch.float32)
-        token_versions[i, start:start + len(s.response_ids)] = torch.tensor(_versions_of(s), dtype=torch.int32)
+        versions = _versions_of(s)
+        token_versions[i, start:start + len(s.response_ids)] = torch.tensor(versions, dtype=torch.int32)
+        oldest_versions[i] = min(versions, default=int(s.weight_version or 0))
     support_counts, support_ids = None, []
     if any(s.support is not None for s in samples):
         support_counts = torch.zeros(n, width, dtype=torch.int32)
@@ -130,8 +133,7 @@ def pack_samples(samples: Sequence[GeneratedSample], rewards: Sequence[float], p
     return RolloutBatch(input_ids=input_ids, labels=labels, response_mask=response_mask, logp_sparse=logp_sparse,
                         rewards=torch.tensor(list(rewards), dtype=torch.float32),
                         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
-                        weight_versions=torch.tensor([min(_versions_of(s), default=int(s.weight_version or 0))
-                                                      for s in samples], dtype=torch.long),
+                        weight_versions=oldest_versions,
                         token_versions=token_versions,
                         response_texts=[s.response_text for s in samples],
                         finish_reasons=[s.finish_reason for s in samples], temperature=temperature,

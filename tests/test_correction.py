@@ -426,3 +426,101 @@ def test_sampling_supports_reach_the_label_positions_they_were_drawn_at():
                 assert mask[row, pos].tolist() == want[start:start + width], (start, row, pos)
     with pytest.raises(ValueError, match="sample 0 has 1 sampling supports for its 2 response tokens"):
         pack_samples([GeneratedSample(0, [1], [7, 8], [0.0, 0.0], "", "stop", support=[[7]])], [0.0])
+
+
+# ----------------------------------------------------------------------------- device discipline
+# A GPU step runs the loss and its report on CUDA; here on a CPU every tensor is on one device, so
+# these run with their inputs on another one (tests/helpers/other_device.py): a tensor made on the
+# CPU inside them (torch.tensor(n), torch.zeros(())) fails the op that meets it, as CUDA's would.
+def _step_inputs(g, rows=4, width=7, vocab=11):
+    from sparse_rl_mega.batch import RolloutBatch
+
+    ids = torch.randint(0, vocab, (rows, width + 1), generator=g)
+    response = torch.zeros(rows, width)
+    response[:, 3:] = 1
+    response[0, 6:] = 0
+    batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=response,
+                         logp_sparse=-torch.rand(rows, width, generator=g) * response, rewards=torch.rand(rows, generator=g),
+                         group_ids=torch.zeros(rows, dtype=torch.long), temperature=0.7)
+    batch.logp_old = batch.logp_sparse + 0.3 * torch.randn(rows, width, generator=g) * response
+    batch.advantages = torch.randn(rows, generator=g)
+    batch.is_weights, batch.loss_mask, _ = compute_correction(batch.logp_old, batch.logp_sparse, response, "sparse_rl")
+    batch.loss_mask[1] = 0  # a dropped sequence
+    return batch, torch.randn(rows, width, vocab, generator=g)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("denominator", ["batch", "kept"])
+@pytest.mark.parametrize("kl_entropy", [False, True])
+def test_loss_and_its_stats_stay_on_the_inputs_device(agg, denominator, kl_entropy):
+    from tests.helpers.other_device import OtherDevice, assert_on_other_device, on_other_device
+
+    g = torch.Generator().manual_seed(11)
+    shape = (4, 6)
+    inputs = [-torch.rand(shape, generator=g), -torch.rand(shape, generator=g), torch.randn(4, generator=g),
+              torch.rand(shape, generator=g), (torch.rand(shape, generator=g) > 0.3).float(),
+              -torch.rand(shape, generator=g), torch.rand(shape, generator=g), torch.full((4,), 6.0)]
+    algo = AlgorithmConfig(loss_agg_mode=agg, loss_denominator=denominator, kl_coef=0.1 if kl_entropy else 0.0,
+                           entropy_coef=0.01 if kl_entropy else 0.0)
+    with OtherDevice():
+        theta, old, adv, w, keep, ref, entropy, response = map(on_other_device, inputs)
+        theta.requires_grad_()
+        loss_sum, count, stats = policy_loss(theta, old, adv, w, keep, algo, logp_ref=ref if kl_entropy else None,
+                                             entropy=entropy if kl_entropy else None, response_tokens=response)
+        assert_on_other_device((loss_sum, count, stats), f"policy_loss {agg}/{denominator}")
+        torch.stack([loss_sum, count] + list(stats.values()))  # what the train step's report does
+        (loss_sum / count).backward()
+        assert_on_other_device(theta.grad, "the gradient")
+    plain = policy_loss(*inputs[:5], algo, logp_ref=inputs[5] if kl_entropy else None,
+                        entropy=inputs[6] if kl_entropy else None, response_tokens=inputs[7])
+    assert float(loss_sum) == pytest.approx(float(plain[0]), rel=1e-6) and float(count) == float(plain[1])
+
+
+@pytest.mark.parametrize("preset", ["sparse_rl", "tis", "icepop", "naive", "bypass"])
+def test_correction_stays_on_the_inputs_device(preset):
+    from tests.helpers.other_device import OtherDevice, assert_on_other_device, on_other_device
+
+    g = torch.Generator().manual_seed(12)
+    logp_old = -torch.rand(5, 8, generator=g) * 3
+    logp_sparse = logp_old + 0.5 * torch.randn(5, 8, generator=g)
+    mask = (torch.rand(5, 8, generator=g) > 0.2).float()
+    mask[4] = 0  # a row without response tokens
+    weights, keep, metrics = compute_correction(logp_old, logp_sparse, mask, preset)
+    with OtherDevice():
+        w_other, keep_other, m_other = compute_correction(*map(on_other_device, (logp_old, logp_sparse, mask)), preset)
+        assert_on_other_device((w_other, keep_other), preset)
+        w_other, keep_other = w_other.cpu(), keep_other.cpu()
+    assert torch.equal(w_other, weights) and torch.equal(keep_other, keep) and m_other == metrics
+
+
+def test_train_step_report_stays_on_the_model_device():
+    """The train step's loss function (learner/step.py corrected_loss) over micro-batches moved to the
+    model's device by _microbatches: its loss, count and report are there, and its report equals the
+    same step's on the CPU."""
+    from megatron.core import parallel_state as ps
+
+    from sparse_rl_mega.learner.step import REPORT_KEYS, _microbatches, corrected_loss
+    from tests.helpers.other_device import DEVICE, OtherDevice, assert_on_other_device, on_other_device
+
+    batch, logits = _step_inputs(torch.Generator().manual_seed(13))
+    algo = AlgorithmConfig()  # kl_coef 0: no reference, the stats' zeros are made by the loss
+    ps.set_tensor_model_parallel_world_size(1)
+    ps.set_tensor_model_parallel_rank(0)
+    try:
+        mb_cpu, = _microbatches(batch, batch.size, True, batch.width + 2)
+        logits_cpu = torch.cat([logits, logits[:, :2]], dim=1)
+        want = corrected_loss(algo, batch.temperature, True, mb_cpu, logits_cpu)
+        with OtherDevice():
+            mb, = _microbatches(batch, batch.size, True, batch.width + 2, device=DEVICE)
+            assert_on_other_device(mb, "a micro-batch")
+            logits_other = on_other_device(logits_cpu).requires_grad_()
+            loss_sum, count, report = corrected_loss(algo, batch.temperature, True, mb, logits_other)
+            assert_on_other_device((loss_sum, count, report), "the loss function's outputs")
+            total = torch.zeros(len(REPORT_KEYS), dtype=torch.float64, device=DEVICE) + report["report"]
+            loss_sum.backward()
+            assert_on_other_device(logits_other.grad, "the logits' gradient")
+            got = total.tolist()
+    finally:
+        ps.set_tensor_model_parallel_world_size(None)
+        ps.set_tensor_model_parallel_rank(None)
+    assert got == pytest.approx(want[2]["report"].tolist(), rel=1e-12) and int(count) == int(want[1])

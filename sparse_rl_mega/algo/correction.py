@@ -147,7 +147,7 @@ def compute_correction(logp_old: torch.Tensor, logp_sparse: torch.Tensor, respon
                     token_rejected.sum(), rejected_low.sum(), loss_mask.sum(), k1.sum(), k2.sum(), k3.sum(),
                     is_weights.sum(), (is_weights.pow(2)).sum()], group)
     n_tok, n_seq, n_veto, n_drop, n_rej, n_rej_low, kept, k1_sum, k2_sum, k3_sum, w_sum, w2_sum = sums
-    w_max, = _reduce([is_weights.max() if is_weights.numel() else torch.tensor(0.0)], group, dist.ReduceOp.MAX)
+    w_max, = _reduce([is_weights.max() if is_weights.numel() else is_weights.new_zeros(())], group, dist.ReduceOp.MAX)
     n_tok_c, n_seq_c = n_tok.clamp(min=1), n_seq.clamp(min=1)
     metrics = {
         "correction/veto_fraction": float(n_veto / n_seq_c),
@@ -190,6 +190,6 @@ def log_ratio_quantiles(log_ratio: torch.Tensor, percents, bound: float, group=N
     out = []
     for q in percents:
         rank = math.floor(q / 100 * (total - 1))  # 0-based position of the lower sample
-        b = int(torch.searchsorted(cumulative, torch.tensor(rank + 1, dtype=torch.float64)))
+        b = int(torch.searchsorted(cumulative, cumulative.new_tensor(rank + 1)))
         out.append(round(b * width - bound, 9))
     return out

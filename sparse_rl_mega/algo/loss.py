@@ -92,7 +92,7 @@ def aggregate(token_loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, deno
         per_seq = masked.sum(dim=1)
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}")
-    rows = has_tokens.sum() if denominator == "kept" else torch.tensor(token_loss.shape[0])
+    rows = has_tokens.sum() if denominator == "kept" else token_loss.new_tensor(token_loss.shape[0])
     return (per_seq * has_tokens).sum(), rows.to(token_loss.dtype) if count_sequences else zero
 
 
@@ -132,11 +132,12 @@ def policy_loss(logp_theta: torch.Tensor, logp_old: torch.Tensor, advantages: to
     loss_sum, count = aggregate(token_loss, loss_mask, algo.loss_agg_mode, algo.loss_denominator, response_tokens,
                                 seq_tokens, count_sequences)
     with torch.no_grad():
+        zero = token_loss.new_zeros(())  # (on the loss's device: the train step stacks the stats)
         stats = {
             "clipped_tokens": (clipped.float() * loss_mask).sum(),
             "kept_tokens": loss_mask.sum(),
             "approx_kl_old_sum": (0.5 * (logp_theta - logp_old).pow(2) * loss_mask).sum(),
-            "entropy_sum": (entropy * loss_mask).sum() if entropy is not None else torch.zeros(()),
-            "kl_ref_sum": (kl * loss_mask).sum() if kl is not None else torch.zeros(()),
+            "entropy_sum": (entropy * loss_mask).sum() if entropy is not None else zero,
+            "kl_ref_sum": (kl * loss_mask).sum() if kl is not None else zero,
         }
     return loss_sum, count, stats

@@ -135,7 +135,7 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
     def logprob_loss(mb, logits):
         logp, _ = logprobs_and_entropy(logits, mb["labels"], with_entropy=False, temperature=batch.temperature,
                                        support_ids=mb.get("support_ids"))
-        return logits.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logp": logp}
+        return logits.sum() * 0.0, logits.new_ones((), dtype=torch.int), {"logp": logp}
 
     was_training = chunks[0].training
     for chunk in chunks:
@@ -159,6 +159,23 @@ def forward_logprobs(chunks, batch: RolloutBatch, micro_batch_size: int) -> torc
     return _broadcast_from_last_stage(logp).cpu()
 
 
+def corrected_loss(algo: AlgorithmConfig, temperature: float, count_sequences: bool, mb: dict,
+                   logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss function for one micro-batch ``mb`` (:func:`_microbatches`, with the loss inputs)
+    of the train step: ``(loss_sum, count, {"report": [len(REPORT_KEYS)] float64})``, all on the logits'
+    device. ``logits`` ``[b, s, V / tp]``, of the distribution the batch was sampled from at
+    ``temperature`` (and truncated to ``mb["support_ids"]``); with CP, one rank counts whole sequences
+    (``count_sequences``) and the per-sequence means use whole-sequence counts."""
+    logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"], temperature=temperature,
+                                               support_ids=mb.get("support_ids"))  # entropy: also a metric
+    loss_sum, count, stats = policy_loss(logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"],
+                                         mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy,
+                                         response_tokens=mb["response_tokens"], seq_tokens=mb.get("seq_tokens"),
+                                         count_sequences=count_sequences)
+    report = torch.stack([loss_sum.detach(), count.detach()] + [stats[k] for k in REPORT_KEYS[2:]])
+    return loss_sum, count.to(torch.int), {"report": report.to(torch.float64)}
+
+
 def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfig, micro_batch_size: int
                      ) -> torch.Tensor:
     """Gradients of the corrected loss of one global batch (this DP rank's rows) accumulated into the
@@ -167,25 +184,14 @@ def forward_backward(learner: Learner, batch: RolloutBatch, algo: AlgorithmConfi
     CP, this rank's part of the sequences: sum it over the DP x CP group)."""
     cp_size, cp_rank, _ = _context_parallel()
 
-    def corrected_loss(mb, logits):
-        # the distribution the batch was sampled from (temperature, truncation); entropy is also a metric
-        logp_theta, entropy = logprobs_and_entropy(logits, mb["labels"], temperature=batch.temperature,
-                                                   support_ids=mb.get("support_ids"))
-        # with CP, one rank counts whole sequences and the per-sequence means use whole-sequence counts
-        loss_sum, count, stats = policy_loss(logp_theta, mb["logp_old"], mb["advantages"], mb["is_weights"],
-                                             mb["loss_mask"], algo, logp_ref=mb.get("logp_ref"), entropy=entropy,
-                                             response_tokens=mb["response_tokens"], seq_tokens=mb.get("seq_tokens"),
-                                             count_sequences=cp_rank == 0)
-        report = torch.stack([loss_sum.detach(), count.detach()] + [stats[k] for k in REPORT_KEYS[2:]])
-        return loss_sum, count.to(torch.int), {"report": report.to(torch.float64)}
-
     for chunk in learner.chunks:
         chunk.zero_grad_buffer()
     learner.optimizer.zero_grad()
     width, device = padded_width(batch.width, _sequence_multiple(learner.config)), _device()
     results = _run_schedule(learner.chunks, _microbatches(batch, micro_batch_size, True, width, cp_size, cp_rank,
                                                           device),
-                            corrected_loss, width, micro_batch_size, False)
+                            partial(corrected_loss, algo, batch.temperature, cp_rank == 0), width, micro_batch_size,
+                            False)
     report = torch.zeros(len(REPORT_KEYS), dtype=torch.float64, device=device)
     for r in results:
         report += r["report"]

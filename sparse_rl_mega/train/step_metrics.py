@@ -59,7 +59,7 @@ def merge_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
 def advantage_metrics(advantages: torch.Tensor, group) -> dict[str, float]:
     """Mean, std, min, max and zero fraction of the advantages of a global batch (reduced over DP)."""
     adv = advantages.double()
-    sums = torch.stack([adv.sum(), adv.pow(2).sum(), torch.tensor(float(adv.numel()), dtype=torch.float64),
+    sums = torch.stack([adv.sum(), adv.pow(2).sum(), adv.new_tensor(float(adv.numel())),
                         (adv == 0).double().sum()])
     extremes = torch.stack([adv.max(), -adv.min()])
     if group is not None and dist.get_world_size(group) > 1:
@@ -89,7 +89,7 @@ def metrics_by_staleness(part, iteration: int, max_staleness: int, correction, g
     for suffix, selected in groups.items():
         mask = part.response_mask * selected
         rows = (mask.sum(dim=1) > 0).nonzero().flatten()
-        present = torch.tensor([float(rows.numel())])
+        present = mask.new_tensor([float(rows.numel())])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(present, group=group)
         if not present.item():

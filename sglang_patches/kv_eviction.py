@@ -47,7 +47,8 @@ from sglang_patches import admission
 from sparse_rl_mega.kv import EvictionPolicy, build_policy, should_compress
 from sparse_rl_mega.kv.attention_mass import window_attention_mass
 from sparse_rl_mega.kv.engine_settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
-                                               ring_layers, scoring_bytes_per_request, scoring_chunk)
+                                               resolved_engine_problem, ring_layers, scoring_bytes_per_request,
+                                               scoring_chunk)
 from sparse_rl_mega.rollout import sglang_internals as sglang
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
@@ -295,9 +296,10 @@ class Compressor:
             self.rows.steps[row] += 1  # this step's query is recorded by the attention hook
         for row in mass_rows:
             self.rows.pending[row] += 1
-        # where each request's query of this step goes in the ring (the same for every layer)
-        self.step_slots = (torch.tensor(rows, dtype=torch.int64),
-                           torch.tensor([(self.rows.steps[r] - 1) % self.rows.window for r in rows]))
+        # where each request's query of this step goes in the ring (the same for every layer), made once
+        # per step on the ring's device: CPU indices into a CUDA ring would be copied in every layer's hook
+        slots = torch.tensor([rows, [(self.rows.steps[r] - 1) % self.rows.window for r in rows]], dtype=torch.int64)
+        self.step_slots = tuple(slots.to(self.req_to_token.device).unbind())
         if freed:
             pool.free(torch.cat(freed).to(torch.int64))
         batch.set_seq_lens(seq_lens)
@@ -461,6 +463,13 @@ def install(settings: EngineKVSettings) -> None:
     """Hook decode allocation (compression, H2O's attention mass, pool statistics), decode positions,
     the attention layer (query recording), retraction, admission and the scheduler's internal state."""
     compressor = Compressor(settings) if settings.enabled or settings.allow_request_override else None
+
+    def check_scheduler(resolved: dict) -> None:
+        problem = resolved_engine_problem(resolved)
+        if problem:
+            raise RuntimeError(f"sparse-rl-mega's KV patch cannot run in this SGLang scheduler: {problem}")
+
+    sglang.hook_scheduler_built(check_scheduler)
 
     def before_decode(batch: sglang.DecodeBatch) -> None:
         started = time.perf_counter()

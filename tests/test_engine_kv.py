@@ -7,6 +7,7 @@ crashes the engine. Budget 12, sink 2, window 4, interval 2: caches swing betwee
 import os
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -114,8 +115,18 @@ def tp2_engine(tiny_model_dir):
     queues = sglang_internals.pid_stamped_shm_files(engine.processes)
     assert queues, sorted(os.listdir(sglang_internals.SHM_DIR))
     yield engine
+    # the GPU branch of shutdown: the engine's own processes end, never through SGLang's Engine.shutdown
+    # (it kills every child of this process: reward workers, the resource tracker, other engines)
+    engine.on_cpu = False
+
+    def refused():
+        raise AssertionError("RolloutEngine.shutdown called SGLang's Engine.shutdown")
+
+    engine.engine.shutdown = refused
+    pids = list(engine.processes)
     engine.shutdown()  # (its processes end by SIGKILL: SGLang's own unlink does not run)
     assert not [path for path in queues if os.path.exists(path)], queues
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"], pids
 
 
 @pytest.mark.parametrize("name", ["rkv", "rkv-shared", "snapkv-shared-layer-sum", "h2o"])

@@ -73,3 +73,110 @@ def test_no_other_module_reaches_into_sglang():
             if path.name != "sglang_internals.py" and SGLANG_INTERNAL.search(path.read_text()):
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+# ----------------------------------------------------------------------------- what a GPU engine is started with
+def _hf_folder(tmp_path) -> str:
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("policy", ["none", "streaming", "snapkv", "rkv", "h2o"])
+@pytest.mark.parametrize("override", [False, True])
+def test_gpu_engine_arguments(tmp_path, monkeypatch, policy, override):
+    """The GPU branch of server_arguments (on_cpu=False), for every KV policy: the pytorch sampling
+    backend (its kernels take the request seeds; SGLang would pick flashinfer, which takes none), one
+    token per page, no overlap scheduler, CUDA graphs as cuda_graphs_allowed decides, and the side
+    buffers taken out of mem_fraction_static from the engine GPU's free memory."""
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings, cuda_graphs_allowed, records_queries
+    from sparse_rl_mega.rollout import engine_args
+
+    asked = []
+    monkeypatch.setattr(engine_args, "gpu_free_bytes", lambda gpu: asked.append(gpu) or 40 * 2**30)
+    params = {"kernel": 3} if policy in ("snapkv", "rkv") else {}
+    kv = EngineKVSettings(policy=policy, budget=64, sink=4, window=8, interval=8, params=params,
+                          allow_request_override=override)
+    lines = []
+    kwargs = engine_args.server_arguments(_hf_folder(tmp_path), kv, on_cpu=False, dtype="bfloat16", seed=3, tp_size=1,
+                                          mem_fraction_static=0.8, log_level="error", attention_backend=None,
+                                          base_gpu_id=2, memory_saver=True, max_total_tokens=None,
+                                          max_running_requests=None, prompt_tokens=100, sampling_support=None,
+                                          log=lines.append)
+    assert kwargs["sampling_backend"] == "pytorch" and kwargs["page_size"] == 1 and kwargs["disable_overlap_schedule"]
+    assert "device" not in kwargs and "attention_backend" not in kwargs  # SGLang's default backend on the GPU
+    assert kwargs.get("disable_cuda_graph", False) == (not cuda_graphs_allowed(kv)[0])
+    assert kwargs["base_gpu_id"] == 2 and kwargs["enable_memory_saver"] and len(lines) == 1
+    if records_queries(kv):
+        assert asked == [2] and kwargs["mem_fraction_static"] < 0.8 and kwargs["max_running_requests"] > 0
+    else:
+        assert asked == [] and kwargs["mem_fraction_static"] == 0.8
+
+
+def test_free_memory_of_another_gpu_opens_no_cuda_context(monkeypatch):
+    """A separate engine's GPU is asked through NVML; cudaMemGetInfo (torch.cuda.mem_get_info) would
+    open a CUDA context there that the learner rank keeps for its life. Its own GPU: cudaMemGetInfo."""
+    import types
+
+    import torch
+
+    from sparse_rl_mega.rollout import engine_args
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda gpu: calls.append(("cuda", gpu)) or (7, 9))
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda gpu: gpu + 10)  # CUDA_VISIBLE_DEVICES order
+    nvml = types.SimpleNamespace(nvmlInit=lambda: calls.append("init"),
+                                 nvmlDeviceGetHandleByIndex=lambda index: calls.append(("nvml", index)) or index,
+                                 nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(free=5, used=1))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert engine_args.gpu_free_bytes(0) == 7 and calls == [("cuda", 0)]
+    calls.clear()
+    assert engine_args.gpu_free_bytes(3) == 5 and calls == ["init", ("nvml", 13)]
+
+
+def test_attention_backends_that_sglang_pages_are_refused(monkeypatch):
+    """Every attention backend SGLang 0.5.23 accepts either keeps one token per page through SGLang's
+    own page-size passes (srt/arg_groups/overrides.py, run here on a Blackwell-like platform, where fa4
+    pages) and is accepted, or is refused in one line naming rollout.attention_backend; a scheduler
+    that resolved pages, another sampler, overlap or speculation is refused where it is built."""
+    import types
+
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+
+    from sparse_rl_mega.config import ConfigError, config_from_dict
+    from sparse_rl_mega.kv.engine_settings import ATTENTION_BACKENDS, attention_backend_problem, resolved_engine_problem
+
+    monkeypatch.setattr(overrides, "get_platform", lambda: types.SimpleNamespace(is_sm100=True, is_hip=False,
+                                                                                 is_musa=False))
+    monkeypatch.setattr(overrides, "use_mla_backend", lambda view: False)
+    monkeypatch.setattr(overrides, "xpu_has_xmx_support", lambda: True)
+    monkeypatch.setattr(overrides, "model_config_of", lambda view: types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"])))
+    passes = [overrides._mla_backend_page_constraints, overrides._fa4_page_constraint,
+              overrides._intel_xpu_page_constraint]
+    paged = set()
+    for backend in ATTENTION_BACKEND_CHOICES:
+        view = types.SimpleNamespace(page_size=1, attention_backend=backend, decode_attention_backend=None,
+                                     prefill_attention_backend=None, speculative_draft_attention_backend=None,
+                                     speculative_eagle_topk=None, device="cuda")
+        if any(p(view).get("page_size", 1) != 1 for p in passes):
+            paged.add(backend)
+    assert {"trtllm_mha", "fa4", "flashmla", "hpc_ops", "intel_xpu"} <= paged  # the reading, still true
+    assert not paged & set(ATTENTION_BACKENDS)
+    assert set(ATTENTION_BACKENDS) <= set(ATTENTION_BACKEND_CHOICES)
+    for backend in ATTENTION_BACKEND_CHOICES:
+        assert (attention_backend_problem(backend) is None) == (backend in ATTENTION_BACKENDS), backend
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": {"path": "m", "arch": {}}, "data": {"train_path": "t"},
+                          "rollout": {"attention_backend": "trtllm_mha"}})
+    assert "\n" not in str(info.value) and "rollout.attention_backend" in str(info.value)
+    good = {"page_size": 1, "attention_backends": ("fa3", "fa3"), "sampling_backend": "pytorch", "overlap": False,
+            "speculative": None}
+    assert resolved_engine_problem(good) is None
+    for change, said in [({"page_size": 64}, "pages of 64 tokens"), ({"attention_backends": ("fa3", "fa4")}, "'fa4'"),
+                         ({"sampling_backend": "flashinfer"}, "ignores request seeds"),
+                         ({"overlap": True}, "overlap scheduler"), ({"speculative": "EAGLE"}, "speculative")]:
+        assert said in resolved_engine_problem({**good, **change}), change

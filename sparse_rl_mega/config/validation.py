@@ -10,6 +10,7 @@ from sparse_rl_mega.config.evaluation import validate_eval
 from sparse_rl_mega.config.hf import check_against_hf_config
 from sparse_rl_mega.config.rollout import validate_kv
 from sparse_rl_mega.config.run import RunConfig
+from sparse_rl_mega.kv.engine_settings import attention_backend_problem
 
 
 def validate(cfg: RunConfig, source: str = "<config>") -> None:
@@ -146,6 +147,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
             f"must be 0, got {r.min_p}: SGLang 0.5.23's pytorch sampler cannot draw min-p with a per-request "
             "seed (an assertion in top_k_top_p_min_p_sampling_from_probs_torch), and every rollout is seeded "
             "so that a resumed run repeats the uninterrupted one; truncate with top_p or top_k")
+    require(attention_backend_problem(r.attention_backend) is None, source, "rollout.attention_backend",
+            str(attention_backend_problem(r.attention_backend)))
     require(r.temperature > 0.0, source, "rollout.temperature",
             f"must be > 0 (RL samples), got {r.temperature}")
     require(0.0 < r.mem_fraction_static < 1.0, source, "rollout.mem_fraction_static",

@@ -115,6 +115,45 @@ def tp_split_problem(settings: EngineKVSettings, tp_size: int, kv_heads: int) ->
             f"{kv_heads} or a policy that selects by position (streaming)")
 
 
+# SGLang 0.5.23 attention backends an engine with the KV patch may run (``rollout.attention_backend``),
+# each read for what it builds from the request rows the patch compacts (one slot per token): the CPU's,
+# and on NVIDIA GPUs SGLang's default for Llama/Qwen on Hopper (fa3), flashinfer and triton.
+# Refused: those SGLang forces to pages (``srt/arg_groups/overrides.py``: trtllm_mha 64, fa4 128 on
+# Blackwell, hpc_ops 64, intel_xpu 128, the MLA ones 32-64), where a compacted row breaks the paged
+# allocator's last-page arithmetic (``mem_cache/allocation.py``), and those not read for eviction.
+ATTENTION_BACKENDS = ("torch_native", "fa3", "flashinfer", "triton")
+
+
+def attention_backend_problem(backend: Optional[str]) -> Optional[str]:
+    """Why ``rollout.attention_backend`` ``backend`` (None: SGLang's default) cannot run the KV patch."""
+    if backend is None or backend in ATTENTION_BACKENDS:
+        return None
+    return (f"{backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}: the KV patch compacts requests' KV "
+            "rows slot by slot and needs one token per page, which SGLang does not keep for "
+            f"{backend!r} (or which was not read for it)")
+
+
+def resolved_engine_problem(resolved: dict) -> Optional[str]:
+    """Why a scheduler as SGLang resolved it cannot run the KV patch (None: it can). ``resolved``:
+    ``page_size`` (its KV allocator's), ``attention_backends`` (prefill, decode), ``sampling_backend``,
+    ``overlap`` (the overlap scheduler runs), ``speculative`` (a speculative algorithm, or None)."""
+    problems = []
+    if resolved["page_size"] != 1:
+        problems.append(f"its KV allocator has pages of {resolved['page_size']} tokens (needs 1: set "
+                        f"rollout.attention_backend to one of {', '.join(ATTENTION_BACKENDS)})")
+    for backend in dict.fromkeys(resolved["attention_backends"]):
+        if attention_backend_problem(backend):
+            problems.append(f"attention backend {backend!r} (rollout.attention_backend: one of "
+                            f"{', '.join(ATTENTION_BACKENDS)})")
+    if resolved["sampling_backend"] != "pytorch":
+        problems.append(f"sampling backend {resolved['sampling_backend']!r} ignores request seeds (needs pytorch)")
+    if resolved["overlap"]:
+        problems.append("the overlap scheduler runs (the patch edits rows between steps)")
+    if resolved["speculative"]:
+        problems.append(f"speculative decoding ({resolved['speculative']})")
+    return "; ".join(problems) or None
+
+
 def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
     """Whether a GPU engine may capture CUDA graphs with these KV settings, and why not.
 

@@ -351,23 +351,15 @@ class RolloutEngine:
         return self._call("rollout", sglang_internals.internal_states(self.engine))[0]
 
     def shutdown(self) -> None:
-        # a failed engine may not answer: its processes are killed instead. SGLang's own shutdown kills
-        # every descendant of this process, the CPU engines' forkserver (and other engines) included;
-        # SIGKILL is what it sends too
-        if self.failure is not None or self.on_cpu:
-            self.kill()
-            return
-        if self.engine is not None:
-            self.engine.shutdown()
-            self._release_loop()
-            shm_record.remove_engine_files(self.engine, self.processes)
-            self.engine = None
-        if self.on_shutdown is not None:
-            self.on_shutdown()
+        """End the engine by its own processes (:meth:`kill`), on a GPU as on a CPU. Never SGLang's
+        ``Engine.shutdown``: it runs ``kill_process_tree(os.getpid(), include_parent=False)``, which
+        SIGKILLs every child of this process (reward workers, multiprocessing's resource tracker, the
+        CPU engines' forkserver, another engine); SIGKILL is what it sends to the engine's processes too."""
+        self.kill()
 
     def kill(self) -> None:
         """SIGKILL the engine's processes (scheduler(s), detokenizer and their children) and wait for
-        them; for an engine that failed, and the shutdown of a CPU engine. This process's other children
+        them (at most 30 s). This process's other children
         (reward workers, the CPU engines' forkserver and its other engines) stay."""
         import psutil
 

@@ -82,6 +82,20 @@ def reserved_mem_fraction(mem_fraction_static: float, side_bytes: int, free_byte
     return mem_fraction_static - side_bytes / free_bytes
 
 
+def gpu_free_bytes(gpu: int) -> int:
+    """Free bytes of CUDA device ``gpu`` (an index as this process sees the devices). This rank's own
+    GPU: ``cudaMemGetInfo``. Another (a separate engine's): NVML's count, as ``nvidia-smi`` shows it;
+    ``torch.cuda.mem_get_info`` there would open a CUDA context (~0.5 GiB) that this process then holds
+    on that GPU for its life."""
+    if gpu == torch.cuda.current_device():
+        return torch.cuda.mem_get_info(gpu)[0]
+    import pynvml  # (nvidia-ml-py: a dependency of SGLang and of torch's own NVML queries)
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(gpu))
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+
+
 def server_arguments(model_path: str, kv: EngineKVSettings, *, on_cpu: bool, dtype: str, seed: int, tp_size: int,
                      mem_fraction_static: float, log_level: str, attention_backend: Optional[str], base_gpu_id: int,
                      memory_saver: bool, max_total_tokens: Optional[int], max_running_requests: Optional[int],
@@ -97,12 +111,15 @@ def server_arguments(model_path: str, kv: EngineKVSettings, *, on_cpu: bool, dty
                   # the KV patch edits request rows between steps: one page per token, no overlap
                   page_size=1, disable_overlap_schedule=True,
                   # an idle scheduler otherwise polls at 100 % of a core, which the learner needs
-                  sleep_on_idle=True)
+                  sleep_on_idle=True,
+                  # the one backend whose kernels take per-request seeds (the seed hook in
+                  # sglang_internals.hook_sampling_seeds fills them): on a GPU SGLang would pick flashinfer,
+                  # which samples from the global RNG and asserts that no seeds are given
+                  sampling_backend="pytorch")
     if on_cpu and tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_core_groups(tp_size)
     if on_cpu:
-        kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native",
-                      sampling_backend="pytorch", disable_cuda_graph=True)
+        kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native", disable_cuda_graph=True)
     else:
         kwargs.update(base_gpu_id=base_gpu_id, enable_memory_saver=memory_saver)
         if attention_backend:
@@ -114,9 +131,9 @@ def server_arguments(model_path: str, kv: EngineKVSettings, *, on_cpu: bool, dty
             max_running_requests = max_running_requests or DEFAULT_RUNNING_REQUESTS
             side = engine_side_buffers(model_path, kv, tp_size=tp_size, dtype=dtype,
                                        running_requests=max_running_requests, prompt_tokens=prompt_tokens)
-            # free memory of the engine's first GPU (asking the others would open CUDA contexts on
-            # GPUs of other learner ranks); colocated GPUs of one node hold the same learner states
-            free = torch.cuda.mem_get_info(base_gpu_id)[0]
+            # free memory of the engine's first GPU (colocated GPUs of one node hold the same learner
+            # states), read without opening a CUDA context on a GPU that is not this rank's
+            free = gpu_free_bytes(base_gpu_id)
             kwargs["mem_fraction_static"] = reserved_mem_fraction(mem_fraction_static, sum(side.values()), free)
             why += (f"; side buffers {sum(side.values()) / 2**30:.2f} GiB per TP rank (query ring "
                     f"{side['query_ring'] / 2**30:.2f}, H2O mass {side['h2o_mass'] / 2**30:.2f}, scoring workspace "

@@ -247,6 +247,27 @@ def tp_head_gather() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
 # ----------------------------------------------------------------------------- hooks in the scheduler
 
 
+def hook_scheduler_built(check: Callable[[dict], None]) -> None:
+    """``check(resolved)`` in each scheduler once SGLang built it, before it takes a request, with what it
+    really runs: ``page_size`` (its KV allocator's), ``attention_backends`` (prefill, decode),
+    ``sampling_backend``, ``overlap`` (the overlap scheduler runs) and ``speculative`` (the algorithm's
+    name, or None). SGLang resolves these inside the engine (``srt/arg_groups/overrides.py`` may
+    replace a requested page size by 64 or 128 for some backends), not in the caller's ``ServerArgs``.
+    An exception from ``check`` fails the scheduler's start (SGLang logs it and signals the engine)."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import attention_backends, get_exec
+
+    original_init = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        check({"page_size": self.token_to_kv_pool_allocator.page_size, "attention_backends": attention_backends(),
+               "sampling_backend": get_exec().kernel.sampling_backend, "overlap": bool(self.enable_overlap),
+               "speculative": None if self.spec_algorithm.is_none() else self.spec_algorithm.name})
+
+    Scheduler.__init__ = __init__
+
+
 def hook_decode_allocation(before: Optional[Callable[[DecodeBatch], None]], after: Callable[[KVPool], None]) -> None:
     """``before(batch)`` (if given) runs before each decode step allocates its slots
     (``mem_cache/allocation.py``: ``alloc_for_decode``), ``after(pool)`` right after."""

@@ -3,6 +3,8 @@ gets, and how a process maps another rank's shared bucket buffer (the engines' p
 test_learner's packing, the launches)."""
 import multiprocessing
 import os
+import time
+from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -88,3 +90,65 @@ def test_a_rank_maps_another_ranks_buffer_once_authkeys_are_shared(share):
         assert got == [float(i) for i in range(8)]
     else:
         assert str(got).startswith("AuthenticationError"), got
+
+
+# ----------------------------------------------------------------------------- a broadcast to a dead engine
+class _Work:
+    """An asynchronous collective's handle: done after ``done_after_s`` (None: never, as an NCCL
+    broadcast to a dead member), then ``wait()`` raises ``error`` if given (gloo: a member left)."""
+
+    def __init__(self, done_after_s, error=None):
+        self.started, self.done_after_s, self.error, self.waited = time.monotonic(), done_after_s, error, False
+
+    def is_completed(self):
+        return self.done_after_s is not None and time.monotonic() - self.started >= self.done_after_s
+
+    def wait(self):
+        self.waited = True
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def test_a_broadcast_is_waited_for_without_blocking_on_it():
+    """The owner never blocks in an NCCL collective that a dead engine will not finish (its watchdog
+    would end the learner rank): it stops once the engine's host says it failed, or at the push's bound."""
+    from sparse_rl_mega.rollout.weight_push import wait_for_work
+
+    work = _Work(0.05)
+    assert wait_for_work(work, 5.0, lambda: False) is None and work.waited
+    started = time.monotonic()
+    failed_at = started + 0.3
+    why = wait_for_work(_Work(None), 60.0, lambda: time.monotonic() > failed_at, check_every_s=0.05)
+    assert why == "an engine of its group failed" and time.monotonic() - started < 1.0
+    started = time.monotonic()
+    assert wait_for_work(_Work(None), 0.4, lambda: False) == "no answer from its engines in 0.4 s"
+    assert 0.4 <= time.monotonic() - started < 1.5
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        wait_for_work(_Work(0.0, "Connection closed by peer"), 5.0, lambda: False)
+
+
+def test_weight_groups_keep_the_rank_alive_and_end_when_replaced(monkeypatch):
+    """The owner's NCCL weight group is made with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (its watchdog aborts
+    the communicator on an error, the process goes on) and the environment restored; its collectives
+    time out after twice the push's bound. A broken NCCL group is aborted, a healthy one (the groups
+    formed again after a restart) destroyed."""
+    from sparse_rl_mega.rollout import weight_push
+
+    seen = []
+    monkeypatch.setenv(weight_push.NCCL_ERROR_HANDLING, "3")
+    monkeypatch.setattr(weight_push, "init_weight_group",
+                        lambda **kw: seen.append((os.environ[weight_push.NCCL_ERROR_HANDLING], kw["timeout"])) or "pg")
+    assert weight_push.create_weight_group("127.0.0.1", 1, 2, "g", "nccl", 7.0) == "pg"
+    assert seen == [("2", timedelta(seconds=7.0))] and os.environ[weight_push.NCCL_ERROR_HANDLING] == "3"
+    assert weight_push.weight_group_timeout_s(660.0) == 1320.0
+
+    ended = []
+    import torch.distributed.distributed_c10d as c10d
+
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda pg: ended.append(("abort", pg)))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda pg: ended.append(("destroy", pg)))
+    for backend, broken, want in [("nccl", True, "abort"), ("nccl", False, "destroy"), ("gloo", True, "destroy")]:
+        monkeypatch.setattr(dist, "get_backend", lambda pg, backend=backend: backend)
+        ended.clear()
+        weight_push.end_weight_group(backend, broken)
+        assert ended == [(want, backend)], (backend, broken)

@@ -29,7 +29,8 @@ from sparse_rl_mega.rollout.placement import run_placements
 from sparse_rl_mega.rollout.supervisor import (EnginesGaveUp, EngineStart, EngineSupervisor, agree_on_errors,
                                                agree_on_failures, gather_given)
 from sparse_rl_mega.rollout.weight_push import (PushBuffers, WeightGroup, WeightPush, consumers_of, create_weight_group,
-                                                push_store, share_authkey, transport, weight_groups)
+                                                end_weight_group, push_store, share_authkey, transport,
+                                                weight_group_timeout_s, weight_groups)
 from sparse_rl_mega.runtime.ports import free_port
 
 
@@ -102,11 +103,14 @@ class EngineFleet:
         those engines' ranks, as its member 0 (``weight_push.weight_groups``); again after engines
         restart, under new names. Each group is formed by all ranks in turn (its owner says where)."""
         cfg = self.cfg
+        if self.group_handle is not None:  # this rank's group of the engines before a restart
+            end_weight_group(self.group_handle, broken=False)
+            self.log(f"[setup] weight broadcast group {self.weight_groups[self.rank].name} ended")
+        self.group_handle = None
         self.groups += 1
         self.weight_groups = {g.owner: g for g in weight_groups(
             self.consumers, self.owners(), cfg.trainer.sync_method, torch.cuda.is_available(),
             cfg.parallel.nproc_per_node, self.groups)}
-        self.group_handle = None
         # NCCL refuses two members on one GPU: a colocated engine shares a learner rank's GPU, so
         # colocated engines receive over gloo (staged through host memory); separate engines over NCCL
         backend = "nccl" if torch.cuda.is_available() and cfg.rollout.placement == "separate" else "gloo"
@@ -123,7 +127,7 @@ class EngineFleet:
             if self.rank == owner:
                 with without_launcher_env():
                     self.group_handle = create_weight_group(host, port, group.size, group.name, backend,
-                                                            cfg.rollout.engine_timeout_s)
+                                                            weight_group_timeout_s(self.push_timeout_s))
             if joining is not None:
                 self.engine.wait_join_weight_group(joining)
             self.log(f"[setup] weight broadcast group of {group.size} members: rank {owner}'s ({backend}, "
@@ -204,6 +208,8 @@ class EngineFleet:
             self.faults.at("push", version - 1)
             started = time.perf_counter()
             failure = push.run() or failure
+            if push.group_broken:  # (aborted by the push; formed again when the engines restart)
+                self.group_handle = None
             try:
                 if host and failure is None:
                     served = self.engine.served_weight_version()
@@ -257,7 +263,12 @@ class EngineFleet:
         return WeightPush(plan, self._shards[1], self.cfg.model.arch, version, self.engine,
                           self.placement.index if self.placement is not None else None, self.consumers,
                           self.transport_of, self.weight_groups, self.group_handle, self.push_buffers, self._store,
-                          self.pushes, timeout_s=self.cfg.rollout.engine_timeout_s + 60)
+                          self.pushes, timeout_s=self.push_timeout_s)
+
+    @property
+    def push_timeout_s(self) -> float:
+        """A push's bound on every wait for another rank or engine (a broadcast included)."""
+        return self.cfg.rollout.engine_timeout_s + 60
 
     def recover(self, failed: list, version: int, probe_ids: Optional[list[int]] = None) -> dict[str, float]:
         """Restart the engines in ``failed`` (every engine with the broadcast sync) and push them weights

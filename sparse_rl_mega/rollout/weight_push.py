@@ -238,6 +238,8 @@ class WeightPush:
         flat = self.buffers.get(own, self.plan.buffer_bytes(self.rank), self.device, shared=bool(self.readers))
         started = time.perf_counter()
         pack_bucket(self.plan, bucket, flat, self.shards, self.arch)
+        if flat.is_cuda:  # the copies were only enqueued: time them done
+            torch.cuda.current_stream().synchronize()
         self.times.pack_s += time.perf_counter() - started
         self._own_flat = flat
         for c in self.readers:
@@ -248,11 +250,31 @@ class WeightPush:
         if self.group_handle is not None and not self.group_broken:  # one broadcast per bucket
             started = time.perf_counter()
             try:
-                dist.broadcast(flat[:bucket.nbytes], src=0, group=self.group_handle)
-            except RuntimeError as exc:  # a member left (its engine died) or the group's timeout passed:
-                self.group_broken = True  # its host reports its engine's failure; the fleet restarts them
-                print(f"[engine] rank {self.rank}'s weight broadcast failed: {str(exc).splitlines()[0]}", flush=True)
+                work = dist.broadcast(flat[:bucket.nbytes], src=0, group=self.group_handle, async_op=True)
+                why = wait_for_work(work, self.timeout_s, self._a_member_failed)
+            except RuntimeError as exc:  # (gloo: a member left, its engine died)
+                why = str(exc).splitlines()[0]
+            if why is not None:  # its engines' hosts report their failure; the fleet restarts them
+                self.group_broken = True
+                print(f"[engine] rank {self.rank}'s weight broadcast failed: {why}; its group is aborted", flush=True)
+                end_weight_group(self.group_handle, broken=True)
             self.times.send_s += time.perf_counter() - started
+
+    def _a_member_failed(self) -> bool:
+        """Whether the host of an engine in this rank's weight group said that its engine failed."""
+        group = self.groups.get(self.rank)
+        keys = [self._failed_key(index) for index, _ in group.members] if group is not None else []
+        return bool(keys) and any(self.store.check([key]) for key in keys)
+
+    def _failed_key(self, engine: int) -> str:
+        return f"{self.prefix}failed{engine}"
+
+    def _record_failure(self, exc: EngineFailure) -> None:
+        """This host's engine failed: recorded, and said in the store (an owner broadcasting to it stops
+        waiting for it)."""
+        self.failure = exc
+        if self.me is not None:
+            self.store.set(self._failed_key(self.me.index), b"1")
 
     def _collect_loaded(self, buckets: list[PlannedBucket]) -> None:
         """Wait until every engine reading this rank's buffers loaded ``buckets`` (this rank's), and drop
@@ -286,7 +308,7 @@ class WeightPush:
         try:
             return call()
         except EngineFailure as exc:
-            self.failure = exc
+            self._record_failure(exc)
             return None
 
     def _finish(self, bucket: Optional[int], future) -> None:
@@ -296,7 +318,7 @@ class WeightPush:
             try:
                 self.engine.wait_bucket(future)
             except EngineFailure as exc:
-                self.failure = exc
+                self._record_failure(exc)
         self.times.load_s += time.perf_counter() - started
         if bucket is not None:
             self.store.set(self._key(bucket, f"loaded{self.me.index}"), b"1")
@@ -312,15 +334,70 @@ class WeightPush:
                 self.engine.wait_begin_update(self.session)
                 self.engine.end_update(self.version)
             except EngineFailure as exc:
-                self.failure = exc
+                self._record_failure(exc)
         self.times.session_s += time.perf_counter() - started
+
+
+def wait_for_work(work, bound_s: float, failed, poll_s: float = 0.002, check_every_s: float = 0.25
+                  ) -> Optional[str]:
+    """Wait for an asynchronous collective ``work`` without blocking the host on it: None once it is done
+    (``work.wait()`` then raises what a gloo collective raised); else why not, when ``failed()`` (asked
+    every ``check_every_s``) says a member's engine failed or ``bound_s`` passed. A blocking NCCL
+    collective would wait for a dead member until the group's watchdog, whose default handling
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) ends this process: a recoverable engine failure would end
+    the learner rank."""
+    started = time.monotonic()
+    checked = started
+    while not work.is_completed():
+        now = time.monotonic()
+        if now - checked >= check_every_s:
+            checked = now
+            if failed():
+                return "an engine of its group failed"
+        if now - started > bound_s:
+            return f"no answer from its engines in {bound_s:g} s"
+        time.sleep(poll_s)
+    work.wait()
+    return None
+
+
+def weight_group_timeout_s(push_timeout_s: float) -> float:
+    """The owner's side of a weight group times its collectives out after this: twice a push's own bound
+    on a broadcast, so that the push gives up (and aborts the group) first."""
+    return 2 * push_timeout_s
 
 
 def create_weight_group(host: str, port: int, size: int, name: str, backend: str, timeout_s: float):
     """This rank's side of a weight group, as its member 0 (it hosts the group's store at ``port``);
-    returns once every member joined. A broadcast over it fails after ``timeout_s`` without an answer."""
-    return init_weight_group(backend=backend, init_method=f"tcp://{host}:{port}", world_size=size, rank=0,
-                                     group_name=name, timeout=timedelta(seconds=timeout_s))
+    returns once every member joined. Its collectives time out after ``timeout_s``. An NCCL group is
+    made with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (read when ProcessGroupNCCL is constructed): on a
+    member's error or the timeout its watchdog aborts the communicator and leaves this process running
+    (the default, 3, ends the process)."""
+    saved = os.environ.get(NCCL_ERROR_HANDLING)
+    os.environ[NCCL_ERROR_HANDLING] = WEIGHT_GROUP_ERROR_HANDLING
+    try:
+        return init_weight_group(backend=backend, init_method=f"tcp://{host}:{port}", world_size=size, rank=0,
+                                 group_name=name, timeout=timedelta(seconds=timeout_s))
+    finally:
+        if saved is None:
+            os.environ.pop(NCCL_ERROR_HANDLING)
+        else:
+            os.environ[NCCL_ERROR_HANDLING] = saved
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+WEIGHT_GROUP_ERROR_HANDLING = "2"  # CleanUpOnly: abort the communicator, keep the process
+
+
+def end_weight_group(handle, broken: bool) -> None:
+    """End this rank's side of a weight group: a broken one is aborted (an NCCL broadcast to a dead
+    member may still occupy the GPU), a healthy one destroyed (when the groups are formed again)."""
+    if broken and dist.get_backend(handle) == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(handle)  # (also deregisters it)
+    else:
+        dist.destroy_process_group(handle)
 
 
 def consumers_of(placements) -> list[Consumer]:

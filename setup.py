@@ -12,18 +12,22 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["sparse_rl_mega", "sparse_rl_mega.*", "sglang_patches", "sglang_patches.*"]),
     install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.16.1",
+        "torch>=2.6",  # (the gpu extra: SGLang 0.5.23's torch; the CPU venv: 2.13.0+cpu, tools/setup_env.sh)
+        "megatron-core==0.16.1",
         "sglang==0.5.23",
         "mlflow>=3.1",
         "transformers>=4.51",
         "math-verify>=0.7",
         "pyyaml",
         "xxhash",  # checkpoint digests (also an SGLang dependency)
+        "packaging",  # the installed stack checked before a run (sparse_rl_mega/runtime/versions.py)
     ],
     extras_require={
-        # Never installed on CPU: Transformer Engine breaks `import megatron.core` without CUDA.
-        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang-kernel", "flashinfer-python"],
+        # Never installed on CPU: Transformer Engine breaks `import megatron.core` without CUDA. What
+        # SGLang 0.5.23 requires (torch 2.14.1, CUDA-13 wheels) and Megatron-Core 0.16.1 was tested with
+        # (Transformer Engine >= 2.9, < 2.12); checked before a run (sparse_rl_mega/runtime/versions.py)
+        "gpu": ["torch==2.14.1", "transformer-engine[pytorch]>=2.9.0a0,<2.12", "sglang-kernel==0.4.10",
+                "flashinfer-python==0.7.2", "cuda-python>=13"],
         "test": ["pytest", "pytest-xdist", "hypothesis"],
     },
     entry_points={

@@ -5,7 +5,8 @@ module that touches SGLang's internals. Settings arrive in the ``SPARSE_RL_MEGA_
 variable; without it (or with ``policy: none``) the engine decodes exactly as stock SGLang and only
 reports pool usage (``kv_eviction``). On CPU, weight pushes keep their shared buffers mapped and cache
 flushes skip a full garbage collection (``push_buffers``). With the ``pytorch`` sampling backend, a
-request's ``sampling_seed`` always decides its tokens (``sglang_internals.hook_sampling_seeds``).
+request's ``sampling_seed`` always decides its tokens (``sglang_internals.hook_sampling_seeds``). Each
+scheduler, once built, is checked against what the patch needs (``_check_scheduler``).
 Weight-loading bars are drawn only over several shard files (``loading_bar``)."""
 import os
 
@@ -33,8 +34,19 @@ def _register() -> None:
     from sparse_rl_mega.rollout import sglang_internals
 
     sglang_internals.check_version()
+    sglang_internals.hook_scheduler_built(_check_scheduler)
     install(EngineKVSettings.from_env())
     sglang_internals.hook_sampling_seeds()
     loading_bar.install()
     push_buffers.install()
     _installed = True
+
+
+def _check_scheduler(resolved: dict) -> None:
+    """A scheduler as SGLang resolved it (one token per page, seeded sampling, no overlap, no speculation:
+    ``kv.engine_settings.resolved_engine_problem``) or its start fails, naming the setting."""
+    from sparse_rl_mega.kv.engine_settings import resolved_engine_problem
+
+    problem = resolved_engine_problem(resolved)
+    if problem:
+        raise RuntimeError(f"sparse-rl-mega's SGLang plugin cannot run in this scheduler: {problem}")

@@ -47,8 +47,7 @@ from sglang_patches import admission
 from sparse_rl_mega.kv import EvictionPolicy, build_policy, should_compress
 from sparse_rl_mega.kv.attention_mass import window_attention_mass
 from sparse_rl_mega.kv.engine_settings import (MASS_HEADROOM, REQUEST_KEY, EngineKVSettings, records_queries,
-                                               resolved_engine_problem, ring_layers, scoring_bytes_per_request,
-                                               scoring_chunk)
+                                               ring_layers, scoring_bytes_per_request, scoring_chunk)
 from sparse_rl_mega.rollout import sglang_internals as sglang
 
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
@@ -463,13 +462,6 @@ def install(settings: EngineKVSettings) -> None:
     """Hook decode allocation (compression, H2O's attention mass, pool statistics), decode positions,
     the attention layer (query recording), retraction, admission and the scheduler's internal state."""
     compressor = Compressor(settings) if settings.enabled or settings.allow_request_override else None
-
-    def check_scheduler(resolved: dict) -> None:
-        problem = resolved_engine_problem(resolved)
-        if problem:
-            raise RuntimeError(f"sparse-rl-mega's KV patch cannot run in this SGLang scheduler: {problem}")
-
-    sglang.hook_scheduler_built(check_scheduler)
 
     def before_decode(batch: sglang.DecodeBatch) -> None:
         started = time.perf_counter()

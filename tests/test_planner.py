@@ -11,6 +11,8 @@
 """
 import json
 
+import torch
+
 import pytest
 
 from sparse_rl_mega.config import ArchConfig, config_from_dict, load_config
@@ -262,3 +264,49 @@ def test_interleaving_and_context_parallelism_in_the_activation_estimate():
     split = learner_memory(load_config(EXAMPLE_70B, plain + ["parallel.context_parallel_size=2"]), 512, 0)
     assert split.activation_bytes == pytest.approx(base.activation_bytes / 2, rel=1e-6)
     assert split.param_bytes == base.param_bytes
+
+
+def test_optimizer_state_exists_before_a_colocated_engine_is_sized(monkeypatch):
+    """The planner counts Adam's moments as resident when a colocated engine starts: the trainer
+    allocates them (Megatron's init_state_fn) before it starts that engine, and returns the cached
+    blocks to the GPU; the first step then computes exactly what it would have. A colocated engine's
+    memory resume follows torch.cuda.empty_cache()."""
+    import types
+
+    from sparse_rl_mega.learner.optimizer_state import allocate_optimizer_state
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    def megatron_init_state(opt, config=None):  # (megatron/core/optimizer/__init__.py's, for Adam)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    models, optimizers = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(5, 3))
+        optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=0.1, weight_decay=0.1))
+    part = types.SimpleNamespace(optimizer=optimizers[0], config=None, init_state_fn=megatron_init_state)
+    freed = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append("empty_cache"))
+    assert allocate_optimizer_state(types.SimpleNamespace(chained_optimizers=[part])) == 2 * 4 * (15 + 3) + 2 * 4
+    assert freed == ["empty_cache"] and all(len(optimizers[0].state[p]) == 3 for p in models[0].parameters())
+    for _ in range(2):
+        for model, opt in zip(models, optimizers):
+            model(torch.ones(2, 5)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+    order = []
+    engine = RolloutEngine.__new__(RolloutEngine)
+    engine.engine = None
+    engine._call = lambda what, call: order.append(what)
+    monkeypatch.setattr("sparse_rl_mega.rollout.sglang_internals.resume_memory", lambda e: None)
+    freed.clear()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    engine.resume_memory()
+    assert order == ["empty_cache", "memory resume"]

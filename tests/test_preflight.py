@@ -300,3 +300,27 @@ def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_star
     assert preflight(cfg, dry_run=True).not_here == [expected] and preflight(cfg, dry_run=True).problems == []
     assert preflight(load_config(CPU_TINY, [f"tracking.tracking_uri={closed}", "tracking.enabled=false"])).problems == []
     assert preflight(load_config(CPU_TINY, [f"tracking.tracking_uri={closed}"]), environ={"RANK": "1"}).problems == []
+
+
+def test_a_mismatched_gpu_stack_is_named_in_one_line_each():
+    """What SGLang 0.5.23 and Megatron-Core 0.16.1 require, checked before anything starts: a GPU run
+    with another torch, a missing sglang-kernel, a Transformer Engine outside Megatron's tested range or
+    without transformer_engine.pytorch.fp8 (Megatron would take TE as absent) each gives one line."""
+    from sparse_rl_mega.runtime.versions import GPU_STACK, version_problems
+
+    good = {"torch": "2.14.1+cu130", "megatron-core": "0.16.1", "sglang": "0.5.23", "sglang-kernel": "0.4.10",
+            "flashinfer-python": "0.7.2", "cuda-python": "13.0.3", "transformer-engine": "2.10.0"}
+    assert set(GPU_STACK) <= set(good)
+    assert version_problems(True, True, good.get, lambda name: True) == []
+    assert version_problems(False, True, {"megatron-core": "0.16.1", "sglang": "0.5.23"}.get) == []  # (the CPU venv)
+    bad = {**good, "torch": "2.13.0+cu128", "transformer-engine": "2.12.1"}
+    bad.pop("sglang-kernel")
+    problems = version_problems(True, True, bad.get, lambda name: False)
+    assert problems == ["torch 2.13.0+cu128 is installed; this project was written for torch==2.14.1",
+                        "sglang-kernel is not installed; this project needs sglang-kernel==0.4.10 (pip install -e .[gpu])",
+                        "transformer-engine 2.12.1 is installed; this project was written for "
+                        "transformer-engine>=2.9.0a0,<2.12",
+                        "transformer_engine.pytorch.fp8 is missing from the installed Transformer Engine: "
+                        "Megatron-Core 0.16.1 would then take Transformer Engine as absent (model.transformer_impl)"]
+    assert version_problems(False, False, {**good, "megatron-core": "0.17.0"}.get) == [
+        "megatron-core 0.17.0 is installed; this project was written for megatron-core==0.16.1"]

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
 from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, find_checkpoint, read_marker
+from sparse_rl_mega.runtime.versions import version_problems
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -47,6 +48,9 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
         (report.not_here if dry_run else report.problems).append(line)
 
     report.problems += world_problems(cfg, environ)
+    import torch  # (here: tools/launch.py imports this module before it sets the thread counts torch reads)
+
+    report.problems += version_problems(torch.cuda.is_available(), cfg.model.transformer_impl == "transformer_engine")
     unreachable = tracking_problem(cfg) if environ.get("RANK", "0") == "0" else None  # (rank 0 alone tracks)
     if unreachable:
         absent(unreachable)

@@ -93,7 +93,8 @@ class _LazyHFCheckpoint:
 
 
 @torch.no_grad()
-def load_hf_into_model(modules, hf_dir: str | Path, arch: ArchConfig) -> None:
+def load_hf_into_model(modules, hf_dir: str | Path, arch: ArchConfig,
+                       keep: Optional[dict[int, torch.Tensor]] = None) -> None:
     """Copy an HF checkpoint into this rank's shards of ``modules`` (its model chunks, or one module;
     every replica, so TP/DP copies agree).
 
@@ -102,7 +103,8 @@ def load_hf_into_model(modules, hf_dir: str | Path, arch: ArchConfig) -> None:
     the stages that have them, and for tensors that are not fused, only this rank's TP slice. Fused
     tensors (QKV, gate/up) are read and fused one layer at a time, so the memory this needs beyond the
     model is about one layer's largest tensor. Missing HF tensors raise ``KeyError``, shapes that
-    disagree with the model raise ``ValueError``; both name the tensor."""
+    disagree with the model raise ``ValueError``; both name the tensor. ``keep`` (given): the values
+    written into each FP8 parameter, as read (by ``id`` of the parameter; see :func:`master_values`)."""
     checkpoint = _LazyHFCheckpoint(hf_dir)
     by_key = {entry.mcore: entry for entry in entries(arch)}
     extra_layer = f"model.layers.{arch.num_layers}.input_layernorm.weight"
@@ -137,20 +139,63 @@ def load_hf_into_model(modules, hf_dir: str | Path, arch: ArchConfig) -> None:
                                  f"(for {key} {shards[0].global_shape})")
         if entry.kind == "copy":  # read just the slice each shard holds
             for shard in shards:
-                shard.data.copy_(checkpoint.read(names[0], _index(shard)[prepend:]))
+                _write(shard.data, checkpoint.read(names[0], _index(shard)[prepend:]), keep)
             continue
         fused = fuse(entry, [checkpoint.read(name) for name in names], arch)
         for shard in shards:
-            shard.data.copy_(fused[_index(shard)[prepend:]])
+            _write(shard.data, fused[_index(shard)[prepend:]], keep)
         del fused
+
+
+def _write(param: torch.Tensor, value: torch.Tensor, keep: Optional[dict[int, torch.Tensor]]) -> None:
+    param.copy_(value)
+    if keep is not None and is_fp8(param):
+        keep[id(param)] = value.clone()  # (a slice of a fused tensor: its own copy, on the CPU)
+
+
+def is_fp8(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds FP8 values (Transformer Engine's quantized tensors, ``model.fp8_param``)."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    return is_float8tensor(param)
+
+
+def master_values(chunks: list, kept: dict[int, torch.Tensor], fp8=is_fp8, log=print) -> Optional[dict]:
+    """The values to initialise the optimizer's fp32 master weights from, as Megatron's
+    ``reload_model_params(state_dict)`` takes them (``{"model<i>": {parameter name: tensor}}``, every
+    parameter of every chunk): an FP8 parameter's as read from the checkpoint (``kept``), the others'
+    the parameter itself. None without FP8 parameters (the masters are copied from the parameters).
+    Megatron otherwise dequantizes FP8 parameters into the masters (``distrib_optimizer.py``: "there
+    will be a loss of precision"), and the model would start from FP8-rounded weights."""
+    named = [list(chunk.named_parameters()) for chunk in chunks]
+    if not any(fp8(param) for params in named for _, param in params):
+        return None
+    out, rounded = {}, []
+    for i, params in enumerate(named):
+        values = {}
+        for name, param in params:
+            if fp8(param) and id(param) not in kept:
+                # written through a view (the SwiGLU fc1 halves): Megatron dequantizes it, said in one line
+                rounded.append(name)
+            while name.startswith("module."):  # (as Megatron matches them: DDP and Float16Module wrappers)
+                name = name[len("module."):]
+            values[name] = kept.get(id(param), param) if fp8(param) else param.detach()
+        out[f"model{i}"] = values
+    if rounded:
+        log(f"[setup] model.fp8_param: the master weights of {len(rounded)} FP8 parameter(s) written through views "
+            f"come from their FP8 values (e.g. {rounded[0]}); the others from the checkpoint's")
+    return out
 
 
 def load_hf_into_learner(learner, hf_dir: str | Path, arch: ArchConfig) -> None:
     """:func:`load_hf_into_model` for a learner's chunks, then its optimizer's master weights are
     refreshed from them: a bfloat16 optimizer copied fp32 masters of the initial weights when it was
-    built, and its first step would write those back over the loaded ones."""
-    load_hf_into_model(learner.modules, hf_dir, arch)
-    learner.optimizer.reload_model_params()
+    built, and its first step would write those back over the loaded ones. With FP8 parameters the
+    masters are the checkpoint's values (:func:`master_values`)."""
+    kept: dict[int, torch.Tensor] = {}
+    load_hf_into_model(learner.modules, hf_dir, arch, keep=kept)
+    # FP8 parameters (model.fp8_param): the masters come from the checkpoint's values, not the FP8 ones
+    learner.optimizer.reload_model_params(state_dict=master_values(learner.chunks, kept))
 
 
 def piece_table(shards: list, arch: ArchConfig) -> dict[tuple[str, int], list[tuple]]:

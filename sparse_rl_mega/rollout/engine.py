@@ -305,7 +305,11 @@ class RolloutEngine:
         self._call("memory release", sglang_internals.release_memory(self.engine))
 
     def resume_memory(self) -> None:
-        """Take the memory back before the next weight push and rollout."""
+        """Take the memory back before the next weight push and rollout. The learner's cached free
+        blocks are returned to the GPU first: the engine's weights and KV pool go back to their
+        addresses, and the caching allocator would otherwise keep what training freed."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self._call("memory resume", sglang_internals.resume_memory(self.engine))
 
     def served_weight_version(self) -> str:

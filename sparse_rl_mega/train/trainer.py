@@ -28,6 +28,7 @@ from sparse_rl_mega.data.jsonl import load_prompt_dataset
 from sparse_rl_mega.learner.checkpoint import choose_resume_checkpoint, load_checkpoint, save_checkpoint
 from sparse_rl_mega.learner.cpu_shims import seed_model_parallel_rng
 from sparse_rl_mega.learner.model import build_learner, build_reference_model
+from sparse_rl_mega.learner.optimizer_state import allocate_optimizer_state
 from sparse_rl_mega.learner.step import forward_logprobs, train_step
 from sparse_rl_mega.learner.weights import load_hf_into_learner, load_hf_into_model
 from sparse_rl_mega.models.tiny import build_tiny_model
@@ -141,7 +142,8 @@ class Trainer:
             f"CP={p.context_parallel_size} DP={self.dp_size}; weights loaded from {cfg.model.path}")
         self.maybe_resume()
         self.clock.mark("checkpoint")
-        if not overlap:
+        if not overlap:  # sized from what the learner leaves once its optimizer state exists
+            allocate_optimizer_state(self.learner.optimizer)
             self.begin_engine_start(background=False)
 
         if self.rank == 0:
@@ -198,8 +200,7 @@ class Trainer:
             prompt_tokens = self.longest_prompt_tokens() if on_gpu else 0
 
             def make_start(name: str) -> EngineStart:
-                return EngineStart(
-                    cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+                return EngineStart(cfg.model.path, kv_settings, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                     max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
                     mem_fraction_static=r.mem_fraction_static, attention_backend=r.attention_backend,
                     tp_size=r.engine_tensor_parallel_size, base_gpu_id=self.placement.first_device,

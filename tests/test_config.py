@@ -138,6 +138,44 @@ def test_dry_run_prints_layout(name):
     assert "config OK" in proc.stdout
 
 
+HF_CONFIGS = ROOT / "tests" / "data" / "hf_configs"  # the hub's config.json of every model an example names
+# the examples whose model is a cluster folder (an absolute model.path; the others are built or prepared here)
+CLUSTER_EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml")
+                          if yaml.safe_load(p.read_text())["model"]["path"].startswith("/"))
+
+
+@pytest.mark.parametrize("name", CLUSTER_EXAMPLES)
+def test_cluster_examples_dry_run_and_plan_with_their_models_config_json(tmp_path, name):
+    """Each example that names a hub model, with its model folder there (the hub's config.json, shipped in
+    tests/data/hf_configs; an empty weights file, which pre-flight only looks for, and a one-word tokenizer):
+    --dry-run and --plan pass, model.arch as written agrees with the folder (RoPE scaling included: the 70B
+    example's Llama-3.1 has llama3 scaling), and the arch the folder alone gives is the one written."""
+    path = yaml.safe_load((ROOT / "examples" / name).read_text())["model"]["path"]
+    shipped = HF_CONFIGS / Path(path).name / "config.json"
+    assert shipped.is_file(), f"examples/{name} names {path}: ship its config.json as {shipped.relative_to(ROOT)}"
+    folder = tmp_path / Path(path).name
+    folder.mkdir()
+    (folder / "config.json").write_bytes(shipped.read_bytes())
+    (folder / "model.safetensors").write_bytes(b"")
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    for flag, expected in (("--dry-run", "config OK"), ("--plan", "verdict    fits")):
+        proc = _launch(f"examples/{name}", flag, "--set", f"model.path={folder}")
+        assert proc.returncode == 0, (flag, proc.stdout[-3000:] + proc.stderr[-3000:])
+        assert expected in proc.stdout, (flag, proc.stdout[-3000:])
+    written = load_config(ROOT / "examples" / name, [f"model.path={folder}"]).model.arch
+    raw = yaml.safe_load((ROOT / "examples" / name).read_text())
+    del raw["model"]["arch"]  # every field from the folder
+    raw["model"]["path"] = str(folder)
+    from_folder = tmp_path / "from_folder.yaml"
+    from_folder.write_text(yaml.safe_dump(raw))
+    assert load_config(from_folder).model.arch == written
+    if "Llama-3.1" in path:
+        assert (written.rope_scaling.rope_type, written.rope_scaling.factor, written.rope_original_positions) == \
+            ("llama3", 8.0, 8192)
+
+
 def test_a_policy_of_another_package_is_configured_planned_and_checked(tmp_path):
     """``keynorm`` (tests/plugins: a few lines and an entry point, nothing in sparse_rl_mega) is read from
     YAML with its own parameter, shown by --plan (--dry-run's layout + memory), where its capabilities

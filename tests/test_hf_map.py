@@ -3,6 +3,7 @@
 the map covering exactly the tensors of transformers' own models, and reading ``model.arch`` from an
 HF ``config.json``."""
 import json
+import re
 
 import pytest
 import torch
@@ -94,9 +95,29 @@ def test_arch_from_hf_config_reads_every_family(tmp_path):
             (family, 1e6, tied, 2)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope type 'llama3'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     r"config.json: rope_scaling: rope_type 'dynamic' is not supported \(supported: default, llama3, linear"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "config.json: rope_parameters: rope_type 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     r"config.json: rope_parameters: low_freq_factor must be > 0 \(required for rope_type llama3\), got None"),
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}},
+     "config.json: rope_scaling: high_freq_factor must exceed low_freq_factor = 1.0"),
+    ({"rope_scaling": {**LLAMA3, "factor": "8"}}, "config.json: rope_scaling: factor = '8': expected a number"),
+    ({"rope_scaling": {**LLAMA3, "factor": 0.5}}, "config.json: rope_scaling: factor must be >= 1"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192.0}},
+     "original_max_position_embeddings = 8192.0: expected an integer"),
+    ({"rope_scaling": {**LLAMA3, "attention_factor": 1.0}},
+     "config.json: rope_scaling: attention_factor is not supported with rope_type 'llama3'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
+     "rope_scaling: low_freq_factor is not supported with rope_type 'linear'"),
+    ({"rope_scaling": [8.0]}, r"config.json: rope_scaling = \[8.0\]: expected a mapping"),
     ({"mlp_bias": True}, "mlp_bias = True is not supported"),
 ])
 def test_arch_from_hf_config_rejects_what_the_map_cannot_carry(tmp_path, change, message):
@@ -147,3 +168,75 @@ def test_fp8_parameters_take_their_masters_from_the_checkpoint_values():
     lines = []
     out = master_values(chunks, {}, fp8=lambda p: id(p) in fp8, log=lines.append)  # (written through a view)
     assert out["model0"]["weight"] is weight and len(lines) == 1 and "module.module.weight" in lines[0]
+
+
+def _saved_llama(folder, rope_scaling, **arch_keys):
+    """A random tiny Llama saved by transformers (its 5.x layout: ``rope_parameters``): folder, arch, state."""
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl_mega.config import RopeScalingConfig
+    from sparse_rl_mega.models.tiny import hf_config
+
+    arch = ArchConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=64, head_dim=8, rope_theta=5e5, max_position_embeddings=256,
+                      rope_scaling=RopeScalingConfig(**rope_scaling), **arch_keys)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, eos_id=0))
+    model.save_pretrained(folder)
+    return arch, model.state_dict()
+
+
+def _read_arch(folder) -> ArchConfig:
+    from sparse_rl_mega.config import RopeScalingConfig
+
+    read = arch_from_hf_config(folder)
+    return ArchConfig(**{**read, "rope_scaling": read.get("rope_scaling") and RopeScalingConfig(**read["rope_scaling"])})
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {**LLAMA3, "original_max_position_embeddings": 64},  # Llama-3.1's values over 64 positions
+    {"rope_type": "linear", "factor": 2.0}])
+def test_rope_scaling_round_trips_through_config_map_and_export(tmp_path, rope_scaling):
+    """An arch with RoPE scaling written as config.json by the tiny model's writer reads back equal; its
+    weights round trip HF -> Megatron -> HF bit for bit; the export's copy of config.json (its dtype
+    rewritten) keeps the rope section as it was, and reads back the same arch."""
+    from tools.export_hf import copy_model_files
+
+    arch, state = _saved_llama(tmp_path / "hf", rope_scaling)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["rope_parameters"] == {**rope_scaling, "rope_theta": 5e5}, written
+    assert _read_arch(tmp_path / "hf") == arch
+    back = mcore_to_hf(hf_to_mcore(state, arch), arch)
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    (tmp_path / "out").mkdir()
+    copy_model_files(tmp_path / "hf", tmp_path / "out", "bfloat16")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["dtype"] == "bfloat16" and exported["rope_parameters"] == written["rope_parameters"]
+    assert _read_arch(tmp_path / "out") == arch
+
+
+def test_rope_scaling_of_the_transformers_4_layout_is_read_and_checked(tmp_path):
+    """Llama-3.2-1B's layout (rope_theta at the top, ``rope_scaling`` beside it, factor 32) reads as the 5.x
+    layout does, and a model.arch that says otherwise is named key by key."""
+    from sparse_rl_mega.config import config_from_dict
+
+    hf = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 131072,
+          "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
+          "rope_scaling": {**LLAMA3, "factor": 32.0}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    read = arch_from_hf_config(tmp_path)
+    assert read["rope_theta"] == 5e5 and read["rope_scaling"] == {**LLAMA3, "factor": 32.0}
+    raw = lambda arch: {"model": {"path": str(tmp_path), "arch": arch},  # noqa: E731
+                        "data": {"train_path": "unused.jsonl"}}
+    cfg = config_from_dict(raw({}))
+    assert cfg.model.arch.rope_scaling.factor == 32.0 and cfg.model.arch.rope_original_positions == 8192
+    for arch, key, said in [
+            ({"rope_scaling": None}, "model.arch.rope_scaling", "none (plain RoPE) disagrees"),
+            ({"rope_scaling": {"rope_type": "linear", "factor": 32.0}}, "model.arch.rope_scaling", "'linear' disagrees"),
+            ({"rope_scaling": {**LLAMA3, "factor": 8.0}}, "model.arch.rope_scaling.factor", "8.0 disagrees"),
+            ({"rope_scaling": {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": None}},
+             "model.arch.rope_scaling.original_max_position_embeddings", "131072 disagrees"),
+            ({"rope_scaling": {**LLAMA3, "low_freq_factor": 0}}, "model.arch.rope_scaling.low_freq_factor", "must be > 0")]:
+        with pytest.raises(ConfigError, match=f"{re.escape(key)}: .*{re.escape(said)}"):
+            config_from_dict(raw(arch))

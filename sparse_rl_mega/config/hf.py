@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from sparse_rl_mega.config.errors import ConfigError, require
-from sparse_rl_mega.config.model import ArchConfig
+from sparse_rl_mega.config.model import ArchConfig, RopeScalingConfig, rope_scaling_problem
 
 
 def fill_arch_from_folder(raw: dict, source: str) -> list[str]:
@@ -49,9 +49,10 @@ def read_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
 def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
     """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
 
-    Reads both config layouts of transformers (``rope_theta`` at the top, 4.x, or inside
-    ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model type,
-    RoPE scaling, MLP biases, sliding-window attention) raise :class:`ConfigError` naming the file and key."""
+    Reads both config layouts of transformers (``rope_theta`` at the top and ``rope_scaling``, 4.x, or
+    both inside ``rope_parameters``, 5.x). HF features the Megatron map cannot represent (another model
+    type, RoPE scaling other than llama3 / linear, MLP biases, sliding-window attention) raise
+    :class:`ConfigError` naming the file and key."""
     path = Path(model_dir) / "config.json"
     hf = read_hf_config(model_dir, source)
     names = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
@@ -66,12 +67,15 @@ def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> 
             raise ConfigError(f"{path}: model_type {model_type!r} is not supported; expected one of: "
                               f"{', '.join(_HF_FAMILIES)}")
         arch["family"] = model_type
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{path}: {rope_key} = {rope!r}: expected a mapping")
     if rope.get("rope_theta") is not None:
         arch["rope_theta"] = rope["rope_theta"]
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{path}: rope type {rope_type!r} is not supported (only plain RoPE: 'default')")
+    scaling = _rope_scaling(hf, rope, f"{path}: {rope_key}")
+    if scaling is not None:
+        arch["rope_scaling"] = scaling
     for key in ("mlp_bias", "use_sliding_window"):
         if hf.get(key):
             raise ConfigError(f"{path}: {key} = {hf[key]!r} is not supported")
@@ -81,6 +85,63 @@ def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> 
 
 
 _HF_FAMILIES = typing.get_args(typing.get_type_hints(ArchConfig)["family"])
+# per supported rope type: the keys of its HF section (besides rope_type / type, rope_theta)
+_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",)}
+
+
+def _rope_scaling(hf: dict, rope: dict, where: str) -> Optional[dict]:
+    """``model.arch.rope_scaling`` from an HF rope section (``where``: its file and key, for errors);
+    None for plain RoPE. Other rope types, keys and values that cannot be raise :class:`ConfigError`."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in _ROPE_KEYS:
+        raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (supported: default, "
+                          f"{', '.join(_ROPE_KEYS)}; Megatron-Core has no {rope_type!r} scaling of RoPE)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor = {rope['partial_rotary_factor']!r} is not supported")
+    extra = sorted(set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", *_ROPE_KEYS[rope_type]})
+    if extra:
+        raise ConfigError(f"{where}: {extra[0]} is not supported with rope_type {rope_type!r}")
+    values = {key: rope[key] for key in _ROPE_KEYS[rope_type] if rope.get(key) is not None}
+    if rope_type == "llama3" and hf.get("original_max_position_embeddings") is not None:
+        values["original_max_position_embeddings"] = hf["original_max_position_embeddings"]  # (transformers' priority)
+    for key, value in values.items():
+        integral = key == "original_max_position_embeddings"
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            raise ConfigError(f"{where}: {key} = {value!r}: expected {'an integer' if integral else 'a number'}")
+    problem = rope_scaling_problem(RopeScalingConfig(rope_type=rope_type, **values))
+    if problem:
+        raise ConfigError(f"{where}: {problem[0]} {problem[1]}")
+    return {"rope_type": rope_type, **values}
+
+
+def hf_rope_parameters(arch: ArchConfig) -> dict:
+    """transformers' ``rope_parameters`` (5.x) of ``arch``: rope_type, rope_theta and the scaling's keys."""
+    s = arch.rope_scaling
+    if s is None:
+        return {"rope_type": "default", "rope_theta": arch.rope_theta}
+    return {"rope_type": s.rope_type, "rope_theta": arch.rope_theta,
+            **{key: getattr(s, key) for key in _ROPE_KEYS[s.rope_type] if getattr(s, key) is not None}}
+
+
+def _check_rope_scaling(a: ArchConfig, hf_arch: dict, hf_config: Path, source: str) -> None:
+    """``model.arch.rope_scaling`` against the folder's (floats within 1e-6 relative; llama3's original
+    positions as each side resolves them)."""
+    ours, theirs = a.rope_scaling, hf_arch.get("rope_scaling")
+    types = [f"rope_type {s['rope_type']!r}" if s else "none (plain RoPE)" for s in (ours and vars(ours), theirs)]
+    require(types[0] == types[1], source, "model.arch.rope_scaling", f"{types[0]} disagrees with {hf_config} ({types[1]})")
+    if ours is None:
+        return
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        mine, hers = getattr(ours, name), theirs.get(name)
+        require((mine is None and hers is None) or (None not in (mine, hers) and abs(mine - hers) <= 1e-6 * abs(hers)),
+                source, f"model.arch.rope_scaling.{name}", f"{mine} disagrees with {hf_config} ({hers})")
+    if ours.rope_type == "llama3":
+        hers = theirs.get("original_max_position_embeddings", hf_arch.get("max_position_embeddings"))
+        require(a.rope_original_positions == hers, source, "model.arch.rope_scaling.original_max_position_embeddings",
+                f"{a.rope_original_positions} disagrees with {hf_config} ({hers})")
 
 
 def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
@@ -107,6 +168,7 @@ def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
         ours = getattr(a, name)
         require(name not in hf_arch or abs(ours - hf_arch[name]) <= 1e-6 * abs(hf_arch[name]), source,
                 f"model.arch.{name}", f"{ours} disagrees with {hf_config} ({hf_arch.get(name)})")
+    _check_rope_scaling(a, hf_arch, hf_config, source)
 
 
 def hf_shape(model_path: str | Path) -> dict:

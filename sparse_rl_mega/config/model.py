@@ -6,6 +6,45 @@ from typing import Literal, Optional
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE scaling of the rotary inverse frequencies (HF ``rope_scaling``, transformers 4.x, or
+    ``rope_parameters``, 5.x; the same key names).
+
+    ``llama3`` (Llama 3.1 / 3.2): with ``L = original_max_position_embeddings``, a frequency whose
+    wavelength ``2 pi / f`` exceeds ``L / low_freq_factor`` is divided by ``factor``, one below
+    ``L / high_freq_factor`` is kept, and one between is blended, ``(1 - s) f / factor + s f`` with
+    ``s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``. ``linear``: every
+    frequency divided by ``factor``. ``dynamic``, ``yarn`` and the others are refused where a
+    config.json is read (config/hf.py)."""
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    factor: Optional[float] = None  # required
+    low_freq_factor: Optional[float] = None  # llama3 only (required there)
+    high_freq_factor: Optional[float] = None  # llama3 only (required there)
+    # llama3 only; None: model.arch.max_position_embeddings (as transformers and SGLang default it)
+    original_max_position_embeddings: Optional[int] = None
+
+
+LLAMA3_ONLY = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_scaling_problem(s: RopeScalingConfig) -> Optional[tuple[str, str]]:
+    """The first value of ``s`` that cannot be: ``(field, what is wrong)``, or None."""
+    if s.factor is None or not s.factor >= 1:
+        return "factor", f"must be >= 1 (the wavelengths' stretch), got {s.factor}"
+    if s.rope_type == "linear":
+        given = [name for name in LLAMA3_ONLY if getattr(s, name) is not None]
+        return (given[0], "is a setting of rope_type llama3 only, not linear") if given else None
+    low, high, original = s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+    if low is None or not low > 0:
+        return "low_freq_factor", f"must be > 0 (required for rope_type llama3), got {low}"
+    if high is None or not high > low:
+        return "high_freq_factor", f"must exceed low_freq_factor = {low} (required for rope_type llama3), got {high}"
+    if original is not None and original < 1:
+        return "original_max_position_embeddings", f"must be >= 1, got {original}"
+    return None
+
+
+@dataclass
 class ArchConfig:
     """Transformer shape. Checked against the HF ``config.json`` when the model folder exists.
 
@@ -26,6 +65,16 @@ class ArchConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # q/k/v projection biases (implied by family qwen2)
+    rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
+
+    @property
+    def rope_original_positions(self) -> Optional[int]:
+        """llama3 scaling's ``original_max_position_embeddings`` (default: ``max_position_embeddings``)."""
+        s = self.rope_scaling
+        if s is None or s.rope_type != "llama3":
+            return None
+        original = s.original_max_position_embeddings
+        return self.max_position_embeddings if original is None else original
 
     @property
     def kv_channels(self) -> int:

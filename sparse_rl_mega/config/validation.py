@@ -8,6 +8,7 @@ from sparse_rl_mega.config.algorithm import validate_correction
 from sparse_rl_mega.config.errors import require
 from sparse_rl_mega.config.evaluation import validate_eval
 from sparse_rl_mega.config.hf import check_against_hf_config
+from sparse_rl_mega.config.model import rope_scaling_problem
 from sparse_rl_mega.config.rollout import validate_kv
 from sparse_rl_mega.config.run import RunConfig
 from sparse_rl_mega.kv.engine_settings import attention_backend_problem
@@ -33,6 +34,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     }
     for key, value in positive.items():
         require(value > 0, source, key, f"must be > 0, got {value}")
+    if a.rope_scaling is not None and (rope_problem := rope_scaling_problem(a.rope_scaling)):
+        require(False, source, f"model.arch.rope_scaling.{rope_problem[0]}", rope_problem[1])
     require(cfg.tracking.flush_timeout_s >= 0, source, "tracking.flush_timeout_s",
             f"must be >= 0, got {cfg.tracking.flush_timeout_s}")
     require(t.watchdog_floor_s >= 0, source, "trainer.watchdog_floor_s", f"must be >= 0 (0: no watchdog), got {t.watchdog_floor_s}")

@@ -4,10 +4,12 @@ The layer spec is chosen once here: Transformer Engine's spec (with FP8 if confi
 ``model.transformer_impl: transformer_engine``, the local (pure torch) spec otherwise. CPU runs use
 the local spec with the shims of :mod:`sparse_rl_mega.learner.cpu_shims`. The HF family decides the
 attention details (``model.arch``): head width (``kv_channels``), q/k/v biases (Qwen2) and per-head
-q/k RMSNorm (Qwen3, ``qk_layernorm``).
+q/k RMSNorm (Qwen3, ``qk_layernorm``); RoPE scaling (``model.arch.rope_scaling``: llama3, linear) sets
+the rotary inverse frequencies after the model is built (:func:`scaled_inv_freq`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +61,24 @@ def transformer_config_kwargs(cfg: RunConfig) -> dict:
     return kwargs
 
 
+def scaled_inv_freq(inv_freq: torch.Tensor, arch) -> torch.Tensor:
+    """The rotary inverse frequencies ``[kv_channels / 2]`` of plain RoPE (float32, as Megatron and
+    transformers make them) scaled as ``arch.rope_scaling`` says, on their own device and in their dtype.
+    The float32 operations are transformers' (modeling_rope_utils, llama3 and linear) one for one, so
+    the angles agree bit for bit. Megatron-Core 0.16.1's own ``rope_scaling`` hard-codes llama3's
+    low_freq_factor 1, high_freq_factor 4 and 8192 original positions; this takes them from the config."""
+    s = arch.rope_scaling
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    original, low, high = arch.rope_original_positions, s.low_freq_factor, s.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > original / low, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * stretched / s.factor + smooth * stretched
+    between = ~(wavelength < original / high) * ~(wavelength > original / low)
+    return torch.where(between, blended, stretched)
+
+
 def layer_spec(cfg: RunConfig):
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -97,6 +117,8 @@ def _gpt_chunks(cfg: RunConfig, config) -> list[torch.nn.Module]:
                          pre_process=ps.is_pipeline_first_stage(**stage), post_process=ps.is_pipeline_last_stage(**stage),
                          share_embeddings_and_output_weights=a.tie_word_embeddings, position_embedding_type="rope",
                          rotary_base=int(a.rope_theta), vp_stage=stage["vp_stage"])
+        if a.rope_scaling is not None:  # (every stage has a rotary embedding; its inv_freq is no parameter)
+            model.rotary_pos_emb.inv_freq = scaled_inv_freq(model.rotary_pos_emb.inv_freq, a)
         if config.params_dtype == torch.float64:
             # the local spec's torch norms are created in float32; an exactness run wants every weight in float64
             model = model.to(torch.float64)

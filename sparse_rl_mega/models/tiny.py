@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from sparse_rl_mega.config import ArchConfig, TinyModelConfig
+from sparse_rl_mega.config.hf import hf_rope_parameters
 from sparse_rl_mega.data.jsonl import PromptDataset, json_objects
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -64,6 +65,8 @@ def hf_config(arch: ArchConfig, eos_id: int):
                   bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     if arch.head_dim is not None:
         common["head_dim"] = arch.head_dim
+    if arch.rope_scaling is not None:  # (transformers 5.x: rope_theta inside, written as rope_parameters)
+        common["rope_parameters"] = hf_rope_parameters(arch)
     if arch.family == "qwen2":
         return Qwen2Config(**common)
     if arch.family == "qwen3":

@@ -31,6 +31,9 @@ import torch.distributed as dist  # noqa: E402
 
 TEMPERATURE = 0.6
 IDS = torch.tensor([[3, 9, 27, 31, 50, 7, 11, 13, 2, 5], [8, 6, 4, 2, 1, 3, 5, 7, 9, 10]])
+# a model with RoPE scaling reads 2 x 100 ids: positions up to 98, past its original positions (the tests' 64),
+# where every frequency band of the scaling turns its angles far
+LONG_IDS = torch.randint(0, 1 << 20, (2, 100), generator=torch.Generator().manual_seed(7))
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -160,9 +163,10 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     gathered = gather_hf_state_dict(learner.modules, arch)
     packed_names, packed_exact = _pack_every_bucket(learner.modules, model_dir, arch)
 
-    ids = IDS % arch.vocab_size
-    batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(2, 9),
-                         logp_sparse=torch.zeros(2, 9), rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long))
+    ids = (IDS if arch.rope_scaling is None else LONG_IDS) % arch.vocab_size
+    n = ids.shape[1] - 1
+    batch = RolloutBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], response_mask=torch.ones(2, n),
+                         logp_sparse=torch.zeros(2, n), rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long))
     logp = forward_logprobs(learner.chunks, batch, micro_batch_size=1)
     logits, entropy = _logits_and_entropy(learner.chunks[0], batch)
     # sampled at temperature 0.6, row 1 truncated to its label and 5 ids spread unevenly over the vocabulary
@@ -170,7 +174,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
     sampled = batch.select([0, 1])
     sampled.temperature = TEMPERATURE
     support = torch.stack([(batch.labels[1] + k * (arch.vocab_size // 7)) % arch.vocab_size for k in range(6)], 1)
-    sampled.support_counts = torch.tensor([[0] * 9, [6] * 9], dtype=torch.int32)
+    sampled.support_counts = torch.tensor([[0] * n, [6] * n], dtype=torch.int32)
     sampled.support_ids = [torch.zeros(0, dtype=torch.int32), support.reshape(-1).to(torch.int32)]
     sampled_logp = forward_logprobs(learner.chunks, sampled, micro_batch_size=1)
     _, sampled_entropy = _logits_and_entropy(learner.chunks[0], sampled)
@@ -201,6 +205,7 @@ def check_model(model_dir: Path, tp: int, pp: int, work: Path, stage_copies: boo
         ref_sampled_entropy = -(ref_sampled_all.exp() * ref_sampled_all.masked_fill(off_support, 0.0)).sum(-1)
         result = {
             "family": arch.family, "tied": arch.tie_word_embeddings, "head_dim": arch.kv_channels,
+            "rope_scaling": arch.rope_scaling and vars(arch.rope_scaling), "positions": n,
             "qkv_bias": arch.has_qkv_bias, "qk_layernorm": arch.qk_layernorm,
             "same_names": sorted(gathered) == sorted(original),
             # float32 weights in a float64 model: gathered back and narrowed, they must be the very same

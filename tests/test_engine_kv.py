@@ -510,6 +510,16 @@ def test_idle_engine_leaves_the_cpu_to_the_learner(evicting_engine):
     assert used() - before < 1.0  # busy polling would use ~3 CPU-seconds
 
 
+def test_the_scheduler_reports_what_sglang_resolved(evicting_engine):
+    """What the scheduler runs, read from it once built (sglang_internals.hook_scheduler_built, the same
+    dict its start-up check refuses): one token per page, the requested attention backend for prefill and
+    decode from its model runner, seeded pytorch sampling, no overlap or speculation, and no decode CUDA
+    graph (a CPU engine captures none; tests/test_gpu.py asserts them captured where allowed)."""
+    assert evicting_engine.resolved() == {"page_size": 1, "attention_backends": ("torch_native", "torch_native"),
+                                          "sampling_backend": "pytorch", "overlap": False, "speculative": None,
+                                          "decode_cuda_graph_bs": []}
+
+
 def test_cpu_engine_processes_sample_eagerly(evicting_engine):
     """SGLang's seeded sampling is a ``torch.compile`` function: on the CPU the engine's processes run
     without dynamo (a new scheduler's first seeded request would spend ~13 s tracing it and loading
@@ -577,3 +587,49 @@ def test_a_killed_engine_process_is_named_and_the_next_engine_forks_from_the_sam
     assert not set(again.processes) & {p.pid for p in psutil.Process().children(recursive=True)}
     # gone with the engine, whether killed (the victim) or shut down
     assert not [path for path in shm_files if os.path.exists(path)], shm_files
+
+
+# Llama-3.1's RoPE scaling (llama3: factor 8, frequency factors 1 / 4) over 64 original positions, on the tiny
+# model's weights: its heads of 16 at theta 1e4 have wavelengths 6.3 (kept), 19.9 and 62.8 (blended), 199 and
+# longer (stretched 8x); the learner's logits with the same config.json equal transformers' in float64
+# (tests/test_learner.py, model llama3-rope)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def test_engine_reads_llama3_rope_scaling_from_config_json(tiny_model_dir, hf_model, tmp_path, record_property):
+    """SGLang takes RoPE scaling from the HF folder's config.json itself: a dense engine on the tiny model
+    whose config.json says llama3 samples 150 tokens (positions up to 160, past the original 64) with the
+    logprobs of transformers' model of that folder, within the sampler's bound, and its prefill's dense
+    logprobs too; transformers' plain-RoPE model of the same weights is far off there."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
+    from sparse_rl_mega.rollout.engine import RolloutEngine
+
+    folder = tmp_path / "tiny-llama3-rope"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": config["rope_parameters"]["rope_theta"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    scaled = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = RolloutEngine(str(folder), EngineKVSettings(), seed=0, max_total_tokens=1024, max_running_requests=2)
+    try:
+        [sample] = engine.generate([[5, 17, 42, 99, 100, 7, 8, 9, 11, 12]], n_samples=1, max_new_tokens=150,
+                                   seed=5, ignore_eos=True)
+        ids = sample.prompt_ids + sample.response_ids
+        prefill = engine.dense_logprobs(ids)
+    finally:
+        engine.shutdown()
+    logp, _ = ReferenceDecoder(scaled).logprobs(sample.prompt_ids, sample.response_ids)
+    plain, _ = ReferenceDecoder(hf_model).logprobs(sample.prompt_ids, sample.response_ids)
+    gap = max(abs(a - b) for a, b in zip(logp, sample.logp_sparse, strict=True))
+    record_property("max_abs_logprob_gap", gap)
+    assert len(sample.response_ids) == 150 and gap < TOL, gap
+    with torch.no_grad():
+        ref = scaled(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert max(abs(a - float(ref[t, ids[t + 1]])) for t, a in enumerate(prefill)) < TOL
+    assert max(abs(a - b) for a, b in zip(plain, sample.logp_sparse)) > 10 * TOL  # the scaling matters

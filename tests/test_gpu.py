@@ -7,15 +7,20 @@
   Engine layers (float32 and bf16) against the local spec and transformers, and with FP8 against bf16
   (skipped, with the reason, without Transformer Engine or on a GPU without FP8)
   (tests/helpers/gpu_learner_check.py);
-* the SGLang engine on the GPU against the pure-torch reference decoder: StreamingLLM with CUDA graphs,
+* the SGLang engine on the GPU against the pure-torch reference decoder, on SGLang's default attention
+  backend, triton and flashinfer: StreamingLLM with CUDA graphs (read from the scheduler: captured),
   R-KV per layer and shared with CUDA graphs switched off by the engine (its query hook is Python);
 * the weight push's GPU paths into that engine: flattened CUDA buckets through CUDA IPC handles and
-  through a broadcast over a gloo weight group;
+  through a broadcast over a gloo weight group (as the engine tests push: tests/helpers/engine_push.py);
+  and the trainer's own push (``WeightPush``) over NCCL to a separate engine (needs 2 GPUs);
 * the learner's training step at a ~1B Llama shape: tokens/s, MFU and peak memory against --plan
   (tests/helpers/gpu_step_check.py);
 * that model's flattened push buckets handed to another process over CUDA IPC, bit for bit, timed
   against a device copy (tests/helpers/gpu_ipc_check.py).
 """
+import json
+import re
+
 import pytest
 import torch
 
@@ -198,14 +203,17 @@ def gpu_engine_env(monkeypatch):
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
 
 
-def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_engine_env):
+@pytest.mark.parametrize("attention_backend", [None, "triton", "flashinfer"])
+def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_engine_env, attention_backend):
     """StreamingLLM (compaction only: CUDA graphs stay on) and, per request, R-KV per layer and shared
     (queries recorded in a Python hook: the engine must have switched CUDA graphs off) against the
-    pure-torch reference decoder."""
+    pure-torch reference decoder, on SGLang's default attention backend (fa3 on Hopper), triton and
+    flashinfer. What the engine runs is read from its scheduler once built (``RolloutEngine.resolved``):
+    one token per page, the backend asked for, pytorch sampling, and decode CUDA graphs captured exactly
+    when ``cuda_graphs_allowed`` says (torch_native would turn them off by itself: not used here)."""
     pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
-    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
+    from sparse_rl_mega.kv.engine_settings import ATTENTION_BACKENDS, EngineKVSettings, cuda_graphs_allowed
     from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
-    from sparse_rl_mega.kv.engine_settings import cuda_graphs_allowed
     from sparse_rl_mega.rollout.engine import RolloutEngine
 
     cases = [(None, build_policy("streaming", sink=2, window=4)),
@@ -216,10 +224,15 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
         settings = EngineKVSettings(policy="streaming", budget=12, sink=2, window=4, interval=2,
                                     allow_request_override=allow_override)
         engine = RolloutEngine(str(tiny_model_dir), settings, seed=0, max_total_tokens=4096, max_running_requests=16,
-                               attention_backend="torch_native")
+                               attention_backend=attention_backend)
         try:
-            graphs_off = bool(getattr(engine.engine.server_args, "disable_cuda_graph", False))
-            assert graphs_off == (not cuda_graphs_allowed(settings)[0]) == allow_override
+            resolved = engine.resolved()
+            print("ENGINE_RESOLVED " + repr({"asked": attention_backend, "override": allow_override, **resolved}))
+            backends = resolved["attention_backends"]
+            assert set(backends) <= set(ATTENTION_BACKENDS) and backends != ("torch_native", "torch_native"), resolved
+            assert attention_backend is None or set(backends) == {attention_backend}, resolved
+            assert resolved["page_size"] == 1 and resolved["sampling_backend"] == "pytorch", resolved
+            assert bool(resolved["decode_cuda_graph_bs"]) == cuda_graphs_allowed(settings)[0] == (not allow_override)
             runs = [(override, policy, engine.generate([[5, 6, 7, 8, 9, 10]], n_samples=2, max_new_tokens=24, seed=3,
                                                         kv_override=override))
                     for override, policy in (cases[1:] if allow_override else cases[:1])]
@@ -275,3 +288,25 @@ def test_engine_on_gpu_takes_flattened_buckets(tiny_model_dir, hf_model, gpu_eng
     assert served == "2"
     for got, weights in ((via_ipc, perturbed), (via_broadcast, original)):
         assert max(abs(a - b) for a, b in zip(got, hf_logprobs(weights))) < 2e-3  # float32 GPU kernels vs CPU
+
+
+def test_trainer_pushes_over_nccl_to_a_separate_engine(tiny_model_dir, gpu_engine_env, tmp_path):
+    """The learner's real push (``rollout/fleet.py`` -> ``WeightPush``) over an NCCL weight group, made with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and bounded waits on its async broadcasts: a ``separate`` run, the
+    learner on GPU 0 and its engine on GPU 1, two iterations; after each push the engine serves the
+    learner's weights (its logprobs against the learner's). NCCL refuses two members of one group on one
+    GPU, so this needs two."""
+    pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: NCCL refuses two members of one weight group on one GPU")
+    from tests.conftest import run_launch, write_test_config
+
+    config = write_test_config(tmp_path / "separate.yaml", tiny_model_dir, tmp_path / "run")
+    proc = run_launch(config, "--set=parallel.nproc_per_node=1", "--set=rollout.placement=separate",
+                      "--set=trainer.sync_method=broadcast", "--set=trainer.iterations=2",
+                      "--set=checkpoint.save_interval=0", timeout=540, fresh=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "[iter 2/2]" in proc.stdout and "members: rank 0's (nccl" in proc.stdout, proc.stdout[-3000:]
+    diffs = [float(v) for v in re.findall(r"\| sync diff ([0-9.e+-]+) \|", proc.stdout)]  # (train/console.py)
+    print("PUSH_FIGURES " + json.dumps({"max_abs_logprob_diff": diffs}))
+    assert len(diffs) == 2 and max(diffs) < 2e-3, diffs  # float32 GPU kernels, learner vs engine

@@ -62,16 +62,18 @@ PARTS = [
     ("KV policies' scoring and the correction on CUDA vs CPU",
      ["test_policies_choose_the_same_tokens_on_cuda", "test_window_attention_mass_on_cuda",
       "test_correction_on_cuda_equals_cpu"], None),
-    ("SGLang engine on the GPU with eviction (CUDA graphs) vs the reference decoder",
+    ("SGLang engine on the GPU with eviction (default backend, triton, flashinfer; CUDA graphs) vs the reference decoder",
      ["test_engine_on_gpu_matches_reference_decoder"], None),
     ("weight push into a GPU engine (CUDA IPC buckets, broadcast)", ["test_engine_on_gpu_takes_flattened_buckets"],
      None),
+    ("trainer's push (WeightPush) over NCCL to a separate engine, 2 GPUs",
+     ["test_trainer_pushes_over_nccl_to_a_separate_engine"], None),
     ("learner step on a ~1B Llama shape: tokens/s, MFU, peak memory vs --plan",
      ["test_learner_step_throughput_and_memory_against_the_plan"], None),
     ("flattened push buckets over CUDA IPC to another process, vs a device copy",
      ["test_flattened_buckets_reach_another_process_over_cuda_ipc"], None),
 ]
-FIGURE_PREFIXES = {"STEP_FIGURES ": "step", "IPC_FIGURES ": "ipc", "GRAD_FIGURES ": "gradient"}  # figures the GPU tests print (test_gpu.py)
+FIGURE_PREFIXES = {"STEP_FIGURES ": "step", "IPC_FIGURES ": "ipc", "GRAD_FIGURES ": "gradient", "PUSH_FIGURES ": "push"}  # figures the GPU tests print (test_gpu.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

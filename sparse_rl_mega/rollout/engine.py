@@ -350,6 +350,11 @@ class RolloutEngine:
         """Engine KV statistics: cumulative eviction counters and the peak pool use since last call."""
         return dict(self.internal_state().get("sparse_rl_kv", {}))
 
+    def resolved(self) -> dict:
+        """What the first scheduler runs, as SGLang resolved it (``sglang_internals.hook_scheduler_built``):
+        page size, attention backends, sampling backend, overlap, speculation, decode CUDA graph sizes."""
+        return dict(self.internal_state()["resolved"])
+
     def internal_state(self) -> dict:
         """The first scheduler's internal state (SGLang's, with the KV patch's ``sparse_rl_kv``)."""
         return self._call("rollout", sglang_internals.internal_states(self.engine))[0]

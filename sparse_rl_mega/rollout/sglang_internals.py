@@ -249,21 +249,29 @@ def tp_head_gather() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
 
 def hook_scheduler_built(check: Callable[[dict], None]) -> None:
     """``check(resolved)`` in each scheduler once SGLang built it, before it takes a request, with what it
-    really runs: ``page_size`` (its KV allocator's), ``attention_backends`` (prefill, decode),
-    ``sampling_backend``, ``overlap`` (the overlap scheduler runs) and ``speculative`` (the algorithm's
-    name, or None). SGLang resolves these inside the engine (``srt/arg_groups/overrides.py`` may
-    replace a requested page size by 64 or 128 for some backends), not in the caller's ``ServerArgs``.
-    An exception from ``check`` fails the scheduler's start (SGLang logs it and signals the engine)."""
+    really runs: ``page_size`` (its KV allocator's), ``attention_backends`` (prefill, decode: its model
+    runner's), ``sampling_backend``, ``overlap`` (the overlap scheduler runs), ``speculative`` (the
+    algorithm's name, or None) and ``decode_cuda_graph_bs`` (the batch sizes its decode CUDA graphs
+    were captured for; empty: none, the model runner captures them as it is built). SGLang resolves
+    these inside the engine (``srt/arg_groups/overrides.py`` may replace a requested page size by 64 or
+    128 for some backends), not in the caller's ``ServerArgs``. An exception from ``check`` fails the
+    scheduler's start (SGLang logs it and signals the engine). The dict is kept on the scheduler and
+    reported in its internal state (:func:`hook_internal_state`, key ``resolved``)."""
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.runtime_context import attention_backends, get_exec
+    from sglang.srt.runtime_context import get_exec
 
     original_init = Scheduler.__init__
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        check({"page_size": self.token_to_kv_pool_allocator.page_size, "attention_backends": attention_backends(),
-               "sampling_backend": get_exec().kernel.sampling_backend, "overlap": bool(self.enable_overlap),
-               "speculative": None if self.spec_algorithm.is_none() else self.spec_algorithm.name})
+        runner = self.tp_worker.model_runner
+        self.sparse_rl_resolved = {
+            "page_size": self.token_to_kv_pool_allocator.page_size,
+            "attention_backends": (runner.prefill_attention_backend_str, runner.decode_attention_backend_str),
+            "sampling_backend": get_exec().kernel.sampling_backend, "overlap": bool(self.enable_overlap),
+            "speculative": None if self.spec_algorithm.is_none() else self.spec_algorithm.name,
+            "decode_cuda_graph_bs": list(runner.decode_cuda_graph_capture_bs)}
+        check(self.sparse_rl_resolved)
 
     Scheduler.__init__ = __init__
 
@@ -353,7 +361,8 @@ def hook_cached_prefix_drop() -> None:
 
 
 def hook_internal_state(key: str, report: Callable[[KVPool], dict]) -> None:
-    """``get_server_info()["internal_states"][rank][key]``: ``report(the scheduler's pool)``."""
+    """``get_server_info()["internal_states"][rank][key]``: ``report(the scheduler's pool)``; and
+    ``[rank]["resolved"]``: what :func:`hook_scheduler_built` read (None without that hook)."""
     from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
 
     original_state = SchedulerInternalStateController.get_internal_state
@@ -361,6 +370,7 @@ def hook_internal_state(key: str, report: Callable[[KVPool], dict]) -> None:
     def get_internal_state(self, recv_req):
         output = original_state(self, recv_req)
         output.internal_state[key] = report(KVPool(self.scheduler.token_to_kv_pool_allocator))
+        output.internal_state["resolved"] = getattr(self.scheduler, "sparse_rl_resolved", None)
         return output
 
     SchedulerInternalStateController.get_internal_state = get_internal_state

@@ -6,7 +6,9 @@ variable; without it (or with ``policy: none``) the engine decodes exactly as st
 reports pool usage (``kv_eviction``). On CPU, weight pushes keep their shared buffers mapped and cache
 flushes skip a full garbage collection (``push_buffers``). With the ``pytorch`` sampling backend, a
 request's ``sampling_seed`` always decides its tokens (``sglang_internals.hook_sampling_seeds``). Each
-scheduler, once built, is checked against what the patch needs (``_check_scheduler``).
+scheduler, once built, is checked against what the patch needs (``_check_scheduler``). With
+``check_attention_metadata`` every decode step's backend metadata is checked against the patch's rows
+(``metadata_check``).
 Weight-loading bars are drawn only over several shard files (``loading_bar``)."""
 import os
 
@@ -28,14 +30,15 @@ def _register() -> None:
     global _installed
     if _installed or os.environ.get("SPARSE_RL_MEGA_PLUGIN_OFF") == "1":
         return
-    from sglang_patches import loading_bar, push_buffers
+    from sglang_patches import loading_bar, metadata_check, push_buffers
     from sglang_patches.kv_eviction import install
     from sparse_rl_mega.kv.engine_settings import EngineKVSettings
     from sparse_rl_mega.rollout import sglang_internals
 
     sglang_internals.check_version()
     sglang_internals.hook_scheduler_built(_check_scheduler)
-    install(EngineKVSettings.from_env())
+    settings = EngineKVSettings.from_env()
+    install(settings, metadata_check.install() if settings.check_attention_metadata else None)
     sglang_internals.hook_sampling_seeds()
     loading_bar.install()
     push_buffers.install()

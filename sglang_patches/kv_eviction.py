@@ -62,8 +62,7 @@ class EngineKVStats:
         self.decode_steps = 0  # decode batches run (a caller can see a generation progress)
         # wall time spent in this patch: before decode steps (compression, H2O's attention mass) and in
         # the attention hook (query recording); the benchmark reports them next to the run time
-        self.compress_seconds = 0.0
-        self.hook_seconds = 0.0
+        self.compress_seconds = self.hook_seconds = 0.0
         self.peak_slots_in_use = 0
         # the most KV slots one request held in a decode step (after its compression, with the step's
         # token) since the last read: what each request's memory came to
@@ -71,9 +70,7 @@ class EngineKVStats:
         self.pool_size = 0
         # side buffers beside SGLang's pool: the decode-query ring (allocated once) and H2O's per-request
         # attention mass (now and at its peak)
-        self.query_ring_bytes = 0
-        self.h2o_mass_bytes = 0
-        self.h2o_mass_peak_bytes = 0
+        self.query_ring_bytes = self.h2o_mass_bytes = self.h2o_mass_peak_bytes = 0
 
     def observe_mass(self, buffers) -> None:
         self.h2o_mass_bytes = sum(t.numel() * t.element_size() for t in buffers)
@@ -458,15 +455,18 @@ class Compressor:
         self.rows.queries[rows, layer_index, positions] = q.detach()
 
 
-def install(settings: EngineKVSettings) -> None:
+def install(settings: EngineKVSettings, after_compress: Optional[Callable[[sglang.DecodeBatch], None]] = None) -> None:
     """Hook decode allocation (compression, H2O's attention mass, pool statistics), decode positions,
-    the attention layer (query recording), retraction, admission and the scheduler's internal state."""
+    the attention layer (query recording), retraction, admission and the scheduler's internal state.
+    ``after_compress(batch)``: after each step's compression (``sglang_patches.metadata_check``)."""
     compressor = Compressor(settings) if settings.enabled or settings.allow_request_override else None
 
     def before_decode(batch: sglang.DecodeBatch) -> None:
         started = time.perf_counter()
         compressor(batch)
         STATS.compress_seconds += time.perf_counter() - started
+        if after_compress is not None:
+            after_compress(batch)
 
     sglang.hook_decode_allocation(before_decode if compressor is not None else None, STATS.observe_pool)
 

@@ -36,6 +36,9 @@ class EngineKVSettings:
     compressed_admission: bool = True
     # transient memory for scoring the requests that reach the trigger at the same step (scored in chunks)
     scoring_workspace_bytes: int = 256 << 20
+    # check, in every decode step, what the attention backend reads against the rows the patch kept
+    # (sglang_patches/metadata_check.py: tests and debugging; a host copy of the step's indices)
+    check_attention_metadata: bool = False
 
     def refusal(self, override: dict) -> Optional[str]:
         """Why this engine does not take a request's ``override`` (None: it does). Any override when
@@ -49,7 +52,8 @@ class EngineKVSettings:
                 f"(at most {self.budget}), got {override}")
 
     def updated(self, override: dict) -> "EngineKVSettings":
-        unknown = set(override) - {f for f in self.to_dict() if f not in ("allow_request_override", "compressed_admission")}
+        engine_wide = ("allow_request_override", "compressed_admission", "check_attention_metadata")
+        unknown = set(override) - {f for f in self.to_dict() if f not in engine_wide}
         if unknown:
             raise ValueError(f"unknown KV settings in a request: {sorted(unknown)}")
         merged = {**self.to_dict(), **override}

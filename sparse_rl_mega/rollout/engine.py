@@ -98,7 +98,8 @@ class RolloutEngine:
         self.model_path = model_path
         engine_class = sgl.Engine  # (its module sets uvloop's event loop policy on import)
         sglang_internals.announce_load_snapshot_files(lambda path: shm_record.note(f"file {path}"))
-        with engine_process_env(on_cpu), own_event_loop():
+        interpreted = kwargs.get("attention_backend") == "triton"  # (on a CPU: under Triton's interpreter)
+        with engine_process_env(on_cpu, triton_interpreter=interpreted), own_event_loop():
             if on_cpu:  # processes forked from a server that imported SGLang once (rollout/forkserver.py)
                 forkserver.use_forkserver()
             self.engine = engine_class(**kwargs)

@@ -67,24 +67,29 @@ def without_launcher_env():
 
 
 @contextmanager
-def engine_process_env(on_cpu: bool):
+def engine_process_env(on_cpu: bool, triton_interpreter: bool = False):
     """The environment SGLang's processes are spawned with: without the launcher's variables, and on the
     CPU with ``TORCHDYNAMO_DISABLE=1``. SGLang wraps its seeded sampling (``multinomial_with_seed``) in
     ``torch.compile``; on the CPU every new scheduler process then spends ~13 s (2 cores) tracing and
     loading inductor's C++ kernel on its first seeded request, or compiles it with gcc on a fresh
-    machine, for a fused kernel that saves microseconds here. Eagerly it samples the same tokens."""
-    dynamo = os.environ.get("TORCHDYNAMO_DISABLE")
-    if on_cpu:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    machine, for a fused kernel that saves microseconds here. Eagerly it samples the same tokens.
+    ``triton_interpreter`` (a CPU engine on SGLang's triton backend): ``TRITON_INTERPRET=1``, read as
+    ``@triton.jit`` decorates SGLang's kernels at import, so those processes are spawned, not forked
+    from the warm server (``rollout/forkserver.py``)."""
+    values = {"TORCHDYNAMO_DISABLE": "1"} if on_cpu else {}
+    if on_cpu and triton_interpreter:
+        values["TRITON_INTERPRET"] = "1"
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         with without_launcher_env():
             yield
     finally:
-        if on_cpu:
-            if dynamo is None:
-                os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["TORCHDYNAMO_DISABLE"] = dynamo
+                os.environ[name] = value
 
 
 def preload_cpu_engines() -> bool:

@@ -330,6 +330,107 @@ def hook_decode_attention(record: Callable[[int, int, float, torch.Tensor], None
     RadixAttention.forward = forward
 
 
+class DecodeMetadata:
+    """One decode step's attention inputs once the decode backend built them (``init_forward_metadata``):
+    what its kernels will read for each request, the batch's lengths, the requests' own token counts and
+    the allocator's free slots (``hook_decode_metadata``). Lists have one entry per request."""
+
+    def __init__(self, runner: Any, forward_batch: Any, token_counts: list[int]):
+        self._runner, self._batch = runner, forward_batch
+        self.backend = runner.decode_attention_backend_str
+        self.rows: list[int] = forward_batch.req_pool_indices.tolist()
+        self.seq_lens: list[int] = forward_batch.seq_lens.tolist()  # (the device copy, which kernels read)
+        cpu = forward_batch.seq_lens_cpu
+        self.seq_lens_cpu: Optional[list[int]] = None if cpu is None else cpu.tolist()
+        self.seq_lens_sum: Optional[int] = forward_batch.seq_lens_sum
+        self.token_counts = token_counts  # prompt + output tokens - evicted positions (the scheduler's requests)
+        self.new_slots: list[int] = forward_batch.out_cache_loc.tolist()  # this step's token, per request
+
+    def row_slots(self, i: int) -> torch.Tensor:
+        """``req_to_token`` of request ``i`` up to its ``seq_lens`` (what torch_native's decode reads)."""
+        return self._runner.req_to_token_pool.req_to_token[self.rows[i], :self.seq_lens[i]]
+
+    def backend_slots(self) -> Optional[list[torch.Tensor]]:
+        """The slots the decode backend's kernels read per request: triton's ``kv_indptr`` / ``kv_indices``
+        (built by its KV-index kernel), torch_native's rows; None for a backend not read here."""
+        if self.backend == "triton":
+            metadata = self._runner.attn_backend.forward_metadata
+            bounds = metadata.kv_indptr.tolist()
+            return [metadata.kv_indices[bounds[i]:bounds[i + 1]] for i in range(len(self.rows))]
+        if self.backend == "torch_native":
+            return [self.row_slots(i) for i in range(len(self.rows))]
+        return None
+
+    def fa3_slots(self) -> tuple[list[int], list[torch.Tensor]]:
+        """fa3's decode metadata for this batch, built by SGLang's ``FlashAttentionBackend.init_forward_metadata``
+        (plain torch; its kernels and its scheduler-metadata precompute need CUDA) on a backend object
+        holding only the fields its eager normal-decode path reads, for Llama / Qwen without sliding
+        windows: ``cache_seqlens`` and each request's ``page_table`` row cut at its length."""
+        from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
+
+        runner = self._runner
+        fa3 = object.__new__(FlashAttentionBackend)
+        fa3.__dict__.update(
+            max_context_len=runner.model_config.context_len, device=runner.device, page_size=runner.page_size,
+            req_to_token_pool=runner.req_to_token_pool, req_to_token=runner.req_to_token_pool.req_to_token,
+            token_to_kv_pool=runner.token_to_kv_pool, kv_index_translator=runner.kv_index_translator,
+            topk=0, speculative_step_id=0, speculative_num_steps=0, is_prefill_aware_swa=False, has_swa=False,
+            use_sliding_window_kv_pool=False, local_attn_builder=None, has_local_attention=False,
+            _get_scheduler_metadata=None, use_mla=False, is_encoder_decoder=False, forward_metadata=None)
+        FlashAttentionBackend.init_forward_metadata(fa3, self._batch)
+        metadata = fa3.forward_metadata
+        lengths = metadata.cache_seqlens_int32.tolist()
+        return lengths, [metadata.page_table[i, :n] for i, n in enumerate(lengths)]
+
+    def free_slots(self) -> torch.Tensor:
+        """Slots the allocator holds free (its free and release lists, and a free group not yet merged)."""
+        allocator = self._runner.token_to_kv_pool_allocator
+        parts = [allocator.free_pages, allocator.release_pages, *(getattr(allocator, "free_group", None) or [])]
+        return torch.cat([part.flatten().to(torch.int64) for part in parts])
+
+
+def hook_decode_metadata(check: Callable[[DecodeMetadata], None]) -> None:
+    """``check(metadata)`` in each decode step once the model runner's attention backend built the
+    step's metadata, before any layer runs (SGLang's eager runner: ``attn_backend.init_forward_metadata``;
+    not under a CUDA graph, whose metadata is written into captured buffers)."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    original_init_new = ForwardBatch.init_new.__func__
+    # the last decode batch's rows and token counts: the runner's forward batch is a copy of the one made
+    # here (steps run one at a time: no overlap scheduler)
+    last_counts: dict[str, list[int]] = {}
+
+    def init_new(cls, batch, model_runner, **kwargs):
+        forward_batch = original_init_new(cls, batch, model_runner, **kwargs)
+        if forward_batch.forward_mode.is_decode() and batch.reqs:
+            last_counts["rows"] = forward_batch.req_pool_indices.tolist()
+            last_counts["counts"] = [len(req.origin_input_ids) + len(req.output_ids) - Request(req).evicted_positions
+                                     for req in batch.reqs]
+        return forward_batch
+
+    ForwardBatch.init_new = classmethod(init_new)
+    original_init = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        runner = self.tp_worker.model_runner
+        build = runner.attn_backend.init_forward_metadata
+
+        def init_forward_metadata(forward_batch):
+            build(forward_batch)
+            if forward_batch.forward_mode.is_decode():
+                rows = forward_batch.req_pool_indices.tolist()
+                if last_counts.get("rows") != rows:
+                    raise RuntimeError(f"sparse-rl-mega's metadata check: a decode batch of rows {rows} was not "
+                                       f"made by ForwardBatch.init_new (last: {last_counts.get('rows')})")
+                check(DecodeMetadata(runner, forward_batch, last_counts["counts"]))
+
+        runner.attn_backend.init_forward_metadata = init_forward_metadata
+
+    Scheduler.__init__ = __init__
+
+
 def hook_retraction(on_retract: Callable[[Request], None]) -> None:
     """``on_retract(request)`` when the scheduler retracts a request (its KV is then recomputed from
     the prompt and the output so far)."""

@@ -333,7 +333,8 @@ E2E_READERS = ("tests/test_e2e.py", "tests/test_resume.py", "tests/test_multinod
 # handed out first, longest first (pytest.ini: --no-loadscope-reorder keeps this order), so that no long
 # module starts last on its own; the rest follow in file order
 LONGEST = E2E_READERS + ("tests/test_ablation.py", "tests/test_overlap.py", "tests/test_learner.py", "tests/test_layout_invariance.py",
-                         "tests/test_evaluate.py", "tests/test_tools.py", "tests/test_engine_kv.py", "tests/test_planner.py",
+                         "tests/test_evaluate.py", "tests/test_tools.py", "tests/test_engine_kv.py", "tests/test_engine_triton.py",
+                         "tests/test_planner.py",
                          "tests/test_engine_retraction.py")
 
 

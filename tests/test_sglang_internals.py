@@ -114,6 +114,36 @@ def test_gpu_engine_arguments(tmp_path, monkeypatch, policy, override):
         assert asked == [] and kwargs["mem_fraction_static"] == 0.8
 
 
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_a_cpu_engine_on_triton_runs_its_kernels_under_the_interpreter(tmp_path, monkeypatch, backend):
+    """On a CPU, ``attention_backend: triton`` starts the engine's processes with ``TRITON_INTERPRET=1``
+    (read as SGLang's kernels are decorated, at import) and one KV split; the variable is the caller's
+    again afterwards. torch_native (the CPU default) and a GPU engine on triton get neither."""
+    import os
+
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings
+    from sparse_rl_mega.rollout import engine_args
+    from sparse_rl_mega.rollout.engine_processes import engine_process_env
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(engine_args, "gpu_free_bytes", lambda gpu: 40 * 2**30)
+    common = dict(dtype="float32", seed=0, tp_size=1, mem_fraction_static=0.8, log_level="error", base_gpu_id=0,
+                  memory_saver=False, max_total_tokens=None, max_running_requests=None, prompt_tokens=10,
+                  sampling_support=None, log=lambda line: None)
+    cpu = engine_args.server_arguments(_hf_folder(tmp_path), EngineKVSettings(), on_cpu=True,
+                                       attention_backend=backend, **common)
+    gpu = engine_args.server_arguments(_hf_folder(tmp_path), EngineKVSettings(), on_cpu=False,
+                                       attention_backend=backend, **common)
+    assert cpu["attention_backend"] == (backend or "torch_native") and gpu.get("attention_backend") == backend
+    assert cpu.get("triton_attention_num_kv_splits") == (1 if backend else None)
+    assert "triton_attention_num_kv_splits" not in gpu
+    with engine_process_env(on_cpu=True, triton_interpreter=cpu["attention_backend"] == "triton"):
+        assert os.environ.get("TRITON_INTERPRET") == ("1" if backend else None)
+    with engine_process_env(on_cpu=False, triton_interpreter=True):
+        assert "TRITON_INTERPRET" not in os.environ
+    assert "TRITON_INTERPRET" not in os.environ
+
+
 def test_free_memory_of_another_gpu_opens_no_cuda_context(monkeypatch):
     """A separate engine's GPU is asked through NVML; cudaMemGetInfo (torch.cuda.mem_get_info) would
     open a CUDA context there that the learner rank keeps for its life. Its own GPU: cudaMemGetInfo."""

@@ -121,9 +121,9 @@ def server_arguments(model_path: str, kv: EngineKVSettings, *, on_cpu: bool, dty
     if on_cpu:
         kwargs.update(device="cpu", attention_backend=attention_backend or "torch_native", disable_cuda_graph=True)
         if attention_backend == "triton":  # its kernels under Triton's interpreter (engine_process_env), which
-            # runs a kernel's programs one by one: 2 KV splits (a CPU reports no cores, so SGLang uses the
-            # maximum, 8) still exercise the split decode and its merge
-            kwargs["triton_attention_num_kv_splits"] = 2
+            # runs a kernel's programs one by one: one KV split (a CPU reports no cores, so SGLang would use
+            # its maximum, 8, each a program per request and head group); decode still runs both stages
+            kwargs["triton_attention_num_kv_splits"] = 1
     else:
         kwargs.update(base_gpu_id=base_gpu_id, enable_memory_saver=memory_saver)
         if attention_backend:

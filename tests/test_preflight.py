@@ -208,6 +208,23 @@ def test_max_new_tokens_must_fit_what_sglang_generates_after_the_longest_prompt(
         "(model.arch.max_position_embeddings): SGLang generates at most 509, after a one-token prompt"]
 
 
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "triton", "torch_native"])
+def test_a_gpu_attention_backend_on_a_cpu_is_one_line(tmp_path, monkeypatch, backend):
+    """fa3 and flashinfer need an NVIDIA GPU: on a CPU machine pre-flight names the key; torch_native
+    and triton (its kernels under Triton's interpreter) run there. On a GPU each of the four runs."""
+    import torch
+
+    cfg = load_config(_variant(tmp_path), [f"rollout.attention_backend={backend}"])
+    problems = preflight(cfg, dry_run=True).problems
+    expected = [f"rollout.attention_backend: {backend!r} needs an NVIDIA GPU: a CPU engine runs torch_native (the "
+                "default) or triton (its kernels under Triton's interpreter, for tests: each kernel's programs one by "
+                "one)"] if backend in ("fa3", "flashinfer") else []
+    assert problems == expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("sparse_rl_mega.cli.preflight.version_problems", lambda *args: [])
+    assert preflight(cfg, dry_run=True).problems == []
+
+
 def test_inputs_that_run_but_not_as_their_settings_say_are_warned_about(tmp_path):
     """A KV budget no request reaches (the longest prompt + max_new_tokens, with the interval: nothing
     is ever evicted) and a data file with fewer rows than one iteration's prompts run, each with one

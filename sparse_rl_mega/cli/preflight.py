@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset
+from sparse_rl_mega.kv.engine_settings import attention_backend_problem
 from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, config_changes, find_checkpoint, read_marker
 from sparse_rl_mega.runtime.versions import version_problems
 
@@ -51,6 +52,9 @@ def preflight(cfg: RunConfig, dry_run: bool = False, environ: Optional[dict] = N
     import torch  # (here: tools/launch.py imports this module before it sets the thread counts torch reads)
 
     report.problems += version_problems(torch.cuda.is_available(), cfg.model.transformer_impl == "transformer_engine")
+    backend = attention_backend_problem(cfg.rollout.attention_backend, on_cpu=not torch.cuda.is_available())
+    if backend:
+        report.problems.append(f"rollout.attention_backend: {backend}")
     unreachable = tracking_problem(cfg) if environ.get("RANK", "0") == "0" else None  # (rank 0 alone tracks)
     if unreachable:
         absent(unreachable)

@@ -128,8 +128,16 @@ def tp_split_problem(settings: EngineKVSettings, tp_size: int, kv_heads: int) ->
 ATTENTION_BACKENDS = ("torch_native", "fa3", "flashinfer", "triton")
 
 
-def attention_backend_problem(backend: Optional[str]) -> Optional[str]:
-    """Why ``rollout.attention_backend`` ``backend`` (None: SGLang's default) cannot run the KV patch."""
+# a CPU engine runs these: the CPU's own, and triton's kernels under Triton's interpreter (for tests)
+CPU_ATTENTION_BACKENDS = ("torch_native", "triton")
+
+
+def attention_backend_problem(backend: Optional[str], on_cpu: bool = False) -> Optional[str]:
+    """Why ``rollout.attention_backend`` ``backend`` (None: SGLang's default) cannot run the KV patch
+    (``on_cpu``: on an engine without a GPU)."""
+    if on_cpu and backend is not None and backend not in CPU_ATTENTION_BACKENDS and backend in ATTENTION_BACKENDS:
+        return (f"{backend!r} needs an NVIDIA GPU: a CPU engine runs torch_native (the default) or triton (its "
+                "kernels under Triton's interpreter, for tests: each kernel's programs one by one)")
     if backend is None or backend in ATTENTION_BACKENDS:
         return None
     return (f"{backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}: the KV patch compacts requests' KV "

@@ -351,7 +351,7 @@ UNIT_MODULES = ("test_config", "test_context_parallel", "test_correction", "test
                 "test_data_reward", "test_gpu", "test_hf_map", "test_kv_policies", "test_math_reward",
                 "test_scale_config", "test_tracking", "test_preflight", "test_console", "test_checkpoint_files",
                 "test_watchdog", "test_weight_push", "test_sglang_internals", "test_auto_budget", "test_layers")
-ENGINE_MODULES = ("test_engine_kv", "test_engine_retraction", "test_evaluate")
+ENGINE_MODULES = ("test_engine_kv", "test_engine_triton", "test_engine_retraction", "test_evaluate")
 TIERS = ("unit", "engine", "launch")
 
 

@@ -210,7 +210,8 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
     pure-torch reference decoder, on SGLang's default attention backend (fa3 on Hopper), triton and
     flashinfer. What the engine runs is read from its scheduler once built (``RolloutEngine.resolved``):
     one token per page, the backend asked for, pytorch sampling, and decode CUDA graphs captured exactly
-    when ``cuda_graphs_allowed`` says (torch_native would turn them off by itself: not used here)."""
+    when ``cuda_graphs_allowed`` says (torch_native would turn them off by itself: not used here). With
+    per-request policies the patch's metadata check runs (``sglang_patches/metadata_check``)."""
     pytest.importorskip("sgl_kernel", reason="SGLang's CUDA kernels are not installed")
     from sparse_rl_mega.kv.engine_settings import ATTENTION_BACKENDS, EngineKVSettings, cuda_graphs_allowed
     from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
@@ -221,8 +222,9 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
              ({"policy": "rkv", "selection": "shared"}, build_policy("rkv", sink=2, window=4, selection="shared"))]
     ref = ReferenceDecoder(hf_model)
     for allow_override in (False, True):
+        # (with overrides CUDA graphs are off anyway: every step's eager metadata is checked against the rows)
         settings = EngineKVSettings(policy="streaming", budget=12, sink=2, window=4, interval=2,
-                                    allow_request_override=allow_override)
+                                    allow_request_override=allow_override, check_attention_metadata=allow_override)
         engine = RolloutEngine(str(tiny_model_dir), settings, seed=0, max_total_tokens=4096, max_running_requests=16,
                                attention_backend=attention_backend)
         try:
@@ -236,6 +238,11 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
             runs = [(override, policy, engine.generate([[5, 6, 7, 8, 9, 10]], n_samples=2, max_new_tokens=24, seed=3,
                                                         kv_override=override))
                     for override, policy in (cases[1:] if allow_override else cases[:1])]
+            if allow_override:  # triton's indices (when it runs) and fa3's table are each row's kept slots
+                report = engine.internal_state()["sparse_rl_metadata"]
+                print("ENGINE_METADATA " + repr({"asked": attention_backend, **report}))
+                assert sum(report["mismatches"].values()) == 0, report["first_mismatch"]
+                assert report["checked_rows"] > 0 and (report["backend_rows"] > 0) == (backends == ("triton", "triton"))
         finally:
             engine.shutdown()
         for override, policy, samples in runs:

@@ -144,6 +144,15 @@ def test_a_cpu_engine_on_triton_runs_its_kernels_under_the_interpreter(tmp_path,
     assert "TRITON_INTERPRET" not in os.environ
 
 
+def test_the_metadata_check_turns_cuda_graphs_off():
+    """A replayed CUDA graph writes its metadata into captured buffers: the check reads eager steps only."""
+    from sparse_rl_mega.kv.engine_settings import EngineKVSettings, cuda_graphs_allowed
+
+    assert cuda_graphs_allowed(EngineKVSettings(policy="streaming"))[0]
+    assert cuda_graphs_allowed(EngineKVSettings(policy="streaming", check_attention_metadata=True)) == (
+        False, "CUDA graphs off: check_attention_metadata reads each step's eager attention metadata")
+
+
 def test_free_memory_of_another_gpu_opens_no_cuda_context(monkeypatch):
     """A separate engine's GPU is asked through NVML; cudaMemGetInfo (torch.cuda.mem_get_info) would
     open a CUDA context there that the learner rank keeps for its life. Its own GPU: cudaMemGetInfo."""

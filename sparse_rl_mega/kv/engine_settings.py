@@ -176,6 +176,8 @@ def cuda_graphs_allowed(kv: EngineKVSettings) -> tuple[bool, str]:
     if records_queries(kv):
         what = "per-request policies record" if kv.allow_request_override else f"{kv.policy} records"
         return False, f"CUDA graphs off: {what} decode queries in a Python hook"
+    if kv.check_attention_metadata:  # (a graph's replay writes captured buffers: no eager metadata to check)
+        return False, "CUDA graphs off: check_attention_metadata reads each step's eager attention metadata"
     return True, "CUDA graphs on"
 
 

@@ -3,6 +3,7 @@
 #               (R-KV) rollouts, Megatron PP=2, held-out accuracy before/after, dense and sparse; MLflow
 #   make test   the test suite (4-12 min on 2 cores, with the machine's speed: docs/testing.md)
 #   make test-fast   the pure tests alone (tier 'unit': no engine, no torchrun; about a minute)
+#   make lint / make typecheck   ruff and mypy as CI runs them (pyproject.toml); make fmt   ruff's formatter
 #   make demo-tiny   the same loop on a tiny locally built model (about a minute)
 #   make long-chain  long responses (177 tokens) under R-KV 32: examples/cpu_long_chain.yaml, its data and
 #               model built on first use (~19 min), then 30 iterations with held-out evaluations (~40 min)
@@ -22,7 +23,7 @@ export DO_NOT_TRACK := true
 SMOLLM2 := runs/assets/smollm2-135m-instruct
 RUN ?= runs/cpu_smollm2
 
-.PHONY: env demo demo-tiny long-chain long-chain-study long-tail test test-fast mlflow-ui clean
+.PHONY: env demo demo-tiny long-chain long-chain-study long-tail test test-fast lint typecheck fmt mlflow-ui clean
 
 env:
 	@bash tools/setup_env.sh $(VENV)
@@ -60,6 +61,17 @@ test: env
 
 test-fast: env
 	$(PY) -m pytest -m unit
+
+# the rules and the strict modules are in pyproject.toml (CONTRIBUTING.md)
+lint: env
+	$(VENV)/bin/ruff check .
+
+typecheck: env
+	$(VENV)/bin/mypy
+
+# the files given (FILES=...), else the whole tree: not yet run repo-wide (CONTRIBUTING.md)
+fmt: env
+	$(VENV)/bin/ruff format $(or $(FILES),.)
 
 # one process: MLflow's default 4 workers and its job runner (which no run here uses) each import MLflow
 # first, and did not answer for minutes on a busy 2-core machine

@@ -9,7 +9,7 @@ setup(
     name="sparse-rl-mega",
     version="0.1.0",
     description="Sparse-RL: RL for LLM reasoning with compressed-KV rollouts and corrected loss",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # what runs: 3.11 (the CPU venv's lock), 3.12 (the GPU check's image)
     packages=find_packages(include=["sparse_rl_mega", "sparse_rl_mega.*", "sglang_patches", "sglang_patches.*"]),
     install_requires=[
         "torch>=2.6",  # (the gpu extra: SGLang 0.5.23's torch; the CPU venv: 2.13.0+cpu, tools/setup_env.sh)

@@ -17,7 +17,7 @@ pool retracts as stock SGLang does (a retracted request restarts dense, see ``kv
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable
+from collections.abc import Callable
 
 from sparse_rl_mega.kv.engine_settings import EngineKVSettings, compressed_bound
 from sparse_rl_mega.rollout import sglang_internals as sglang

@@ -39,7 +39,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import torch
 

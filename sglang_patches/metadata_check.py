@@ -18,7 +18,7 @@ A disagreement is counted by kind and its first description kept (``internal_sta
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -69,7 +69,7 @@ def check(step: sglang.DecodeMetadata) -> None:
         _compare("backend", step, backend, expected, free)
     try:
         fa3_lengths, fa3_rows = step.fa3_slots()
-    except Exception as exc:  # (SGLang's fa3 code changed what it reads: said, not a dead scheduler)
+    except Exception as exc:  # noqa: BLE001 (SGLang's fa3 code changed what it reads: said, not a dead scheduler)
         REPORT.mismatch("fa3", f"fa3's metadata could not be built here: {type(exc).__name__}: {exc}")
         return
     if fa3_lengths != step.seq_lens:

@@ -24,7 +24,7 @@ from sparse_rl_mega.rollout import sglang_internals
 logger = logging.getLogger("sparse_rl_mega.sglang_patches")
 
 KEEP = 8  # buffers kept mapped: two per bucket owner (pipeline stages), with room for a plan change
-_kept: "OrderedDict[int, object]" = OrderedDict()  # storage data pointer -> storage
+_kept: OrderedDict[int, object] = OrderedDict()  # storage data pointer -> storage
 
 
 def _keep(tensor) -> None:

@@ -16,7 +16,8 @@ a micro-batch's rows when the learner needs them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Sequence
 
 import torch
 
@@ -82,10 +83,10 @@ class RolloutBatch:
             out[row, position, torch.arange(ids.numel()) - first] = ids
         return out
 
-    def select(self, indices: torch.Tensor | Sequence[int]) -> "RolloutBatch":
+    def select(self, indices: torch.Tensor | Sequence[int]) -> RolloutBatch:
         """Rows ``indices`` of every tensor (lists follow)."""
         idx = torch.as_tensor(indices, dtype=torch.long)
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):

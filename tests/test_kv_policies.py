@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from float_bounds import U32, gamma, logit_mass, softmax_error  # noqa: E402
+from float_bounds import U32, gamma, logit_mass, softmax_error
 
 from sparse_rl_mega.kv import POLICIES, build_policy, should_compress
 from sparse_rl_mega.kv.attention_mass import decode_attention_mass, window_attention_mass
@@ -96,20 +96,20 @@ def published_kept(name, layer_keys, layer_queries, budget, selection, shared_sc
     layers = len(layer_keys)
     kv_heads, length, _ = layer_keys[0].shape
     window = layer_queries[0].shape[1]
-    scores = [[published_score(name, layer_keys[l], layer_queries[l], h, lam, **importance)
-               for h in range(kv_heads)] for l in range(layers)]
+    scores = [[published_score(name, layer_keys[layer], layer_queries[layer], h, lam, **importance)
+               for h in range(kv_heads)] for layer in range(layers)]
 
     def top(values):
         ranked = sorted(range(sink, length - window), key=lambda j: (-values[j], j))
         return sorted(list(range(sink)) + ranked[:budget - sink - window] + list(range(length - window, length)))
 
     if selection == "per_head":
-        return [[top(scores[l][h]) for h in range(kv_heads)] for l in range(layers)]
-    per_layer = [[sum(scores[l][h][j] for h in range(kv_heads)) for j in range(length - window)] for l in range(layers)]
+        return [[top(scores[layer][h]) for h in range(kv_heads)] for layer in range(layers)]
+    per_layer = [[sum(scores[layer][h][j] for h in range(kv_heads)) for j in range(length - window)] for layer in range(layers)]
     if selection == "per_layer":
         return [top(v) for v in per_layer]
     used = 1 if shared_scores == "first_layer" else layers
-    return top([sum(per_layer[l][j] for l in range(used)) for j in range(length - window)])
+    return top([sum(per_layer[layer][j] for layer in range(used)) for j in range(length - window)])
 
 
 def _published_inputs(seed, duplicates, layers=2, kv_heads=2, q_heads=8, length=96, dim=32, window=8):
@@ -206,7 +206,7 @@ def test_gathered_heads_decide_per_layer_and_shared_choices():
         whole = policy.select_layers(keys[None], queries[None], 30)
         other = policy.score(keys[0, 1:], queries[0, 2:]).view(1, 1, 1, -1)
         rank0 = policy.select_layers(keys[None, :, :1], queries[None, :, :2], 30,
-                                     gather_heads=lambda s: torch.cat([s, other], dim=2))
+                                     gather_heads=lambda s: torch.cat([s, other], dim=2))  # noqa: B023 (called now)
         alone = policy.select_layers(keys[None, :, :1], queries[None, :, :2], 30)
         assert torch.equal(rank0, whole)
         assert not torch.equal(alone, whole)

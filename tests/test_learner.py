@@ -158,7 +158,7 @@ def test_shards_round_trip_and_logits_match_hf(learner_checks, tiny_model_dir, r
     if "linear-rope" in results:
         assert results["linear-rope"]["rope_scaling"]["rope_type"] == "linear"
     if tp * pp == 1:  # a broken checkpoint names the tensor at fault
-        for name, result in results.items():
+        for result in results.values():
             assert "KeyError" in result["errors"]["missing"], result["errors"]
             assert "model.layers.1.self_attn.k_proj.weight" in result["errors"]["missing"]
             assert "ValueError" in result["errors"]["shape"], result["errors"]

@@ -36,7 +36,7 @@ ITERATIONS = 1
 def _two_nodes(config, overrides, timeout=600, env=None):
     port = free_port()
     procs = []
-    for node in range(2):
+    for _node in range(2):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
                    str(ROOT / "tools" / "launch.py"), str(config), *[f"--set={o}" for o in overrides]]

@@ -293,7 +293,7 @@ def test_a_tracking_server_that_does_not_answer_is_one_line_before_anything_star
         monkeypatch.delenv(proxy, raising=False)
 
     class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
+        def do_GET(self):  # (http.server's name)
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
             self.wfile.write(b"OK")

@@ -19,7 +19,7 @@ from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import run_launch, write_test_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from float_bounds import U32, forward_depth, gamma  # noqa: E402
+from float_bounds import U32, forward_depth, gamma
 
 # Another layout sums in another order. The iteration's numbers come from one forward and backward pass
 # of the tiny model (4 layers, hidden 64, ffn 128, head_dim 16, vocabulary 384) over 16 sequences of at

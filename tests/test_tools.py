@@ -123,10 +123,10 @@ def test_gpu_check_reads_each_tests_outcome_and_figures(tmp_path):
     from tools.gpu_check import Report, judge, printed_figures, pytest_outcomes
 
     tests = tmp_path / "test_parts.py"
-    tests.write_text(f"""import pytest
+    tests.write_text("""import pytest
 def test_fine():
     print("PASS fp32 local vs transformers fp32: max 0.001")
-    print('STEP_FIGURES {{"tokens_per_s": 5.0}}')
+    print('STEP_FIGURES {"tokens_per_s": 5.0}')
 def test_broken():
     assert 1 == 2, "planted"
 def test_absent():

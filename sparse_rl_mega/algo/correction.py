@@ -21,7 +21,8 @@ Presets (``sparse_rl``, ``tis``, ``icepop``, ``naive``, ``bypass``) are defined 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from sparse_rl_mega.config import LOG_RHO_QUANTILES, CorrectionConfig
 
 
-def _reduce(values: list[torch.Tensor], group, op=None) -> list[torch.Tensor]:
+def _reduce(values: list[torch.Tensor], group: Any, op: Any = None) -> list[torch.Tensor]:
     """Reduce scalars over ``group`` (None: local only) in one collective, in float64."""
     packed = torch.stack([v.to(torch.float64).reshape(()) for v in values])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -172,7 +173,8 @@ def compute_correction(logp_old: torch.Tensor, logp_sparse: torch.Tensor, respon
 LOG_RHO_BIN = 1e-3  # resolution of the quantiles of log rho (coarser where the bound needs > 2^16 bins)
 
 
-def log_ratio_quantiles(log_ratio: torch.Tensor, percents, bound: float, group=None) -> list[float]:
+def log_ratio_quantiles(log_ratio: torch.Tensor, percents: Sequence[float], bound: float,
+                        group: Any = None) -> list[float]:
     """Quantiles (``percents``) of ``log_ratio`` (response tokens' ``log rho``, in ``[-bound, bound]``)
     over every rank of ``group``: from a histogram with bins of ``LOG_RHO_BIN`` summed over the group
     (one all-reduce of a fixed size, however many tokens): the lower edge of the bin holding numpy's

@@ -21,7 +21,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
+from collections.abc import Sequence
 
 from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.data.jsonl import DataError, PromptDataset, load_prompt_dataset

@@ -39,7 +39,7 @@ class CorrectionConfig:
     kl_reject_threshold: Optional[float] = None
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "CorrectionConfig":
+    def from_preset(cls, name: str, **overrides) -> CorrectionConfig:
         if name not in CORRECTION_PRESETS:
             raise ConfigError(f"unknown correction preset {name!r}; expected one of: {', '.join(CORRECTION_PRESETS)}")
         return cls(**{**CORRECTION_PRESETS[name], "preset": name, **overrides})

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
+from collections.abc import Callable, Iterator
 
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, load_chat_tokenizer, render_prompt
 

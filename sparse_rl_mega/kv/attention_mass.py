@@ -22,7 +22,8 @@ def decode_attention_mass(keys: torch.Tensor, query: torch.Tensor, scaling: floa
         beyond = torch.arange(length, device=keys.device) >= lengths.unsqueeze(-1)  # [n, length]
         logits = logits.masked_fill(beyond.unsqueeze(-2), float("-inf"))
     probs = logits.softmax(dim=-1)
-    return probs.unflatten(-2, (kv_heads, group)).sum(dim=-2)
+    mass: torch.Tensor = probs.view(*probs.shape[:-2], kv_heads, group, length).sum(dim=-2)
+    return mass
 
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 SIGNAL = "mismatch/log_rho_p{quantile:g}"
 
@@ -56,7 +56,7 @@ class BudgetController:
         self.budget = start
 
     @classmethod
-    def from_config(cls, kv) -> Optional["BudgetController"]:
+    def from_config(cls, kv: Any) -> Optional[BudgetController]:
         """The controller of a ``KVCompressionConfig`` (None: a fixed budget, or no compression)."""
         auto = kv.auto_budget
         if auto is None or kv.policy == "none":
@@ -81,10 +81,10 @@ class BudgetController:
             self.budget = max(self.low, self.budget - self.decrease)
         return BudgetStep(sampled_at, value, violated, self.budget)
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, int]:
         return {"budget": self.budget}
 
-    def load_state(self, state: dict) -> int:
+    def load_state(self, state: dict[str, Any]) -> int:
         """Continue from a checkpoint's state; returns the saved budget (the one in force is it, clamped
         to the bounds when they changed since)."""
         saved = int(state["budget"])

@@ -42,7 +42,8 @@ tools read them without it. The tensor work imports torch where it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
+from collections.abc import Callable
 
 if TYPE_CHECKING:
     import torch
@@ -195,6 +196,8 @@ class EvictionPolicy:
     def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor], budget: int,
                length: Optional[int] = None, accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One layer of one request: ``[budget]``, or ``[kv_heads, budget]`` per head."""
+        if keys is None:
+            raise ValueError(f"{type(self).__name__} scores the keys: keys [kv_heads, length, head_dim] needed")
         kept = self.select_layers(keys[None, None], None if window_queries is None else window_queries[None, None],
                                   budget, None if accumulated is None else accumulated[None, None])
         return kept[0] if self.selection == "shared" else kept[0, 0]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from sparse_rl_mega.kv.base import EvictionPolicy
 from sparse_rl_mega.kv.registry import NO_POLICY, policy_class
@@ -25,9 +26,9 @@ class EngineKVSettings:
     interval: int = 128
     selection: str = "per_layer"  # per_layer | per_head | shared (sparse_rl_mega.kv.base)
     shared_scores: str = "first_layer"  # shared selection: first_layer | layer_sum
-    params: dict = field(default_factory=dict)  # the policy's own parameters (its class's fields: kernel, lam, ...)
+    params: dict[str, Any] = field(default_factory=dict)  # the policy's own parameters (its class's fields: kernel, lam, ...)
     # newline trigger: also compress when past the budget and the token about to be decoded is one of these
-    newline_token_ids: list = field(default_factory=list)
+    newline_token_ids: list[int] = field(default_factory=list)
     # let requests choose their own policy/budget (benchmarks and evaluation compare policies on one
     # engine); the engine then records decode queries and attention mass for every request, and
     # ``window`` is the largest window a request may ask for
@@ -40,7 +41,7 @@ class EngineKVSettings:
     # (sglang_patches/metadata_check.py: tests and debugging; a host copy of the step's indices)
     check_attention_metadata: bool = False
 
-    def refusal(self, override: dict) -> Optional[str]:
+    def refusal(self, override: dict[str, Any]) -> Optional[str]:
         """Why this engine does not take a request's ``override`` (None: it does). Any override when
         the engine allows them; else only a budget no larger than the engine's (the automatic budget),
         which needs no more memory and records nothing more than the engine was started for."""
@@ -51,7 +52,7 @@ class EngineKVSettings:
         return (f"this engine was started without allow_request_override: a request may only lower its budget "
                 f"(at most {self.budget}), got {override}")
 
-    def updated(self, override: dict) -> "EngineKVSettings":
+    def updated(self, override: dict[str, Any]) -> EngineKVSettings:
         engine_wide = ("allow_request_override", "compressed_admission", "check_attention_metadata")
         unknown = set(override) - {f for f in self.to_dict() if f not in engine_wide}
         if unknown:
@@ -61,11 +62,12 @@ class EngineKVSettings:
             raise ValueError(f"a request's window {merged['window']} exceeds the engine's {self.window}")
         return EngineKVSettings(**merged)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_config(cls, kv_cfg, newline_token_ids=(), allow_request_override: bool = False) -> "EngineKVSettings":
+    def from_config(cls, kv_cfg: Any, newline_token_ids: Sequence[int] = (),
+                    allow_request_override: bool = False) -> EngineKVSettings:
         """The engine's settings for ``rollout.kv_compression`` of a run config (a KVCompressionConfig):
         with an automatic budget, sized for its largest (each rollout's requests ask for the one in force)."""
         return cls(policy=kv_cfg.policy, budget=kv_cfg.largest_budget, sink=kv_cfg.sink, window=kv_cfg.window,
@@ -86,7 +88,7 @@ class EngineKVSettings:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_env(cls) -> "EngineKVSettings":
+    def from_env(cls) -> EngineKVSettings:
         raw = os.environ.get(ENV_VAR)
         return cls(**json.loads(raw)) if raw else cls()
 
@@ -145,7 +147,7 @@ def attention_backend_problem(backend: Optional[str], on_cpu: bool = False) -> O
             f"{backend!r} (or which was not read for it)")
 
 
-def resolved_engine_problem(resolved: dict) -> Optional[str]:
+def resolved_engine_problem(resolved: dict[str, Any]) -> Optional[str]:
     """Why a scheduler as SGLang resolved it cannot run the KV patch (None: it can). ``resolved``:
     ``page_size`` (its KV allocator's), ``attention_backends`` (prefill, decode), ``sampling_backend``,
     ``overlap`` (the overlap scheduler runs), ``speculative`` (a speculative algorithm, or None)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from sparse_rl_mega.kv.base import EvictionPolicy
 
@@ -17,7 +17,9 @@ class H2OPolicy(EvictionPolicy):
     first compression waits for ``window`` decode steps (the prompt's own attention is not counted)."""
     needs_accumulated: ClassVar[bool] = True
 
-    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+    def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
+              accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         if accumulated is None:
             raise ValueError("H2O needs the accumulated attention [kv_heads, length]")
-        return accumulated[:, :accumulated.shape[1] - self.window]
+        scores: torch.Tensor = accumulated[:, :accumulated.shape[1] - self.window]
+        return scores

@@ -17,7 +17,8 @@ keeping their original rotation.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional
+from collections.abc import Sequence
 
 import torch
 
@@ -30,8 +31,12 @@ class ReferenceDecoder:
     """Teacher-forced decoding with a compressed KV cache over an HF ``*ForCausalLM`` (eval mode)."""
 
     def __init__(self, hf_model: torch.nn.Module):
-        self.model = hf_model.eval()
-        cfg = hf_model.config
+        # (transformers' modules and config are typed by attribute at run time: Any here)
+        self.model: Any = hf_model.eval()
+        cfg: Any = hf_model.config
+        self.head_dim: int
+        self.num_heads: int
+        self.num_kv_heads: int
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -42,13 +47,13 @@ class ReferenceDecoder:
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     @torch.no_grad()
-    def _forward(self, ids: Sequence[int], positions: Sequence[int], state: dict,
+    def _forward(self, ids: Sequence[int], positions: Sequence[int], state: dict[str, Any],
                  model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         """Run ``ids`` at ``positions`` through ``model`` (default: the decoder's), appending to the
         cache in ``state``; returns logits ``[len(ids), vocab]`` (float32). A single-token call is a
         decode step: its queries are recorded and, for H2O, its attention is accumulated."""
-        model = model if model is not None else self.model
-        inner = model.model
+        model_: Any = model if model is not None else self.model
+        inner = model_.model
         n = len(ids)
         decode = state["prefilled"]
         hidden = inner.embed_tokens(torch.tensor([list(ids)]))
@@ -79,12 +84,13 @@ class ReferenceDecoder:
                 acc = state["acc"][layer_idx]
                 state["acc"][layer_idx] = torch.cat([acc, acc.new_zeros(acc.shape[0], total - acc.shape[1])], 1) + mass
         state["prefilled"] = True
-        return model.lm_head(inner.norm(hidden))[0].float()
+        logits: torch.Tensor = model_.lm_head(inner.norm(hidden))[0].float()
+        return logits
 
-    def _compress(self, state: dict, policy: EvictionPolicy, budget: int) -> int:
+    def _compress(self, state: dict[str, Any], policy: EvictionPolicy, budget: int) -> int:
         """Compress every layer's cache to ``budget`` (per the policy's ``selection``); returns the
         evicted token count."""
-        cached = state["k"][0].shape[1]
+        cached: int = state["k"][0].shape[1]
         if policy.position_only:
             kept = policy.select(None, None, budget, length=cached)
         else:
@@ -116,7 +122,7 @@ class ReferenceDecoder:
         ``(logits, evicted_token_count)``."""
         layers = len(self.model.model.layers)
         empty = torch.zeros(self.num_kv_heads, 0, self.head_dim)
-        state = {"k": [empty] * layers, "v": [empty] * layers, "queries": [[] for _ in range(layers)],
+        state: dict[str, Any] = {"k": [empty] * layers, "v": [empty] * layers, "queries": [[] for _ in range(layers)],
                  "acc": [torch.zeros(self.num_kv_heads, len(prompt_ids)) for _ in range(layers)], "prefilled": False}
         steps = [self._forward(prompt_ids, range(len(prompt_ids)), state)[-1]]
         evicted = 0

@@ -5,6 +5,7 @@ built from its name, the base fields and its own checked parameters."""
 from __future__ import annotations
 
 import typing
+from typing import Any
 from dataclasses import fields
 from importlib.metadata import entry_points
 
@@ -51,7 +52,7 @@ def load_entry_points() -> None:
     for point in entry_points(group=ENTRY_POINT_GROUP):
         try:
             register_policy(point.name, point.load())
-        except Exception as exc:  # one line naming the entry point, whatever the plugin raised
+        except Exception as exc:  # noqa: BLE001 (one line naming the entry point, whatever the plugin raised)
             raise RuntimeError(f"KV policy entry point {point.name} = {point.value} ({ENTRY_POINT_GROUP}): "
                                f"{type(exc).__name__}: {exc}") from None
 
@@ -70,7 +71,7 @@ def policy_class(name: str) -> type[EvictionPolicy]:
     return POLICIES[name]
 
 
-def resolve_params(name: str, params: dict) -> dict:
+def resolve_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """Every parameter of policy ``name``: its defaults, overridden by those ``params`` names (checked:
     a parameter it does not take, or a value of the wrong type, raises PolicyError naming it)."""
     cls = policy_class(name)
@@ -91,7 +92,7 @@ def resolve_params(name: str, params: dict) -> dict:
     return own
 
 
-def build_policy(name: str, sink: int, window: int, **settings) -> EvictionPolicy:
+def build_policy(name: str, sink: int, window: int, **settings: Any) -> EvictionPolicy:
     """Policy ``name`` with the base fields (``selection``, ``shared_scores``) and its own parameters
     in ``settings``; a bad one raises PolicyError naming it."""
     base = {key: settings.pop(key) for key in ("selection", "shared_scores") if key in settings}

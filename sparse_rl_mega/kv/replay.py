@@ -48,4 +48,5 @@ def replay_compression(prompt_len: int, response_len: int, budget: int, interval
 def compression_schedule(prompt_len: int, response_len: int, budget: int, interval: int,
                          queries_needed: int = 0, newline_at: Optional[list[bool]] = None) -> tuple[int, int]:
     """``(compressions, evicted_tokens)`` of one request (:func:`replay_compression`)."""
-    return tuple(replay_compression(prompt_len, response_len, budget, interval, queries_needed, newline_at)[:2])
+    replayed = replay_compression(prompt_len, response_len, budget, interval, queries_needed, newline_at)
+    return replayed.compressions, replayed.evicted_tokens

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from sparse_rl_mega.kv.base import PolicyError
 from sparse_rl_mega.kv.snapkv import SnapKVPolicy
@@ -32,9 +32,12 @@ class RKVPolicy(SnapKVPolicy):
         # the key similarities: float32 and two one-byte masks per key pair and head of every scored layer
         return scored_layers * kv_heads * length * length * 6
 
-    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+    def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
+              accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         from sparse_rl_mega.kv import scoring  # (torch: imported when a policy scores, see base.py)
 
+        if window_queries is None:
+            raise ValueError("R-KV scores with the window's queries [q_heads, window, head_dim]")
         older = keys.shape[1] - window_queries.shape[1]
         importance = scoring.window_importance(keys, window_queries, self.gqa_pool, self.kernel, self.pool)
         redundancy = scoring.key_redundancy(keys, self.similarity_threshold)[:, :older]

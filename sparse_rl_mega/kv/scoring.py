@@ -20,7 +20,8 @@ def window_logits(keys: torch.Tensor, window_queries: torch.Tensor, gqa_pool: st
     # one batched matmul per KV head (a broadcast matmul over the group axis costs ~3x on CPU)
     logits = torch.bmm(q, keys.float().transpose(-1, -2)) * head_dim ** -0.5  # [kv_heads, group * w, length]
     logits = logits.view(kv_heads, group, window, length)
-    return logits.amax(dim=1) if gqa_pool == "max" else logits.mean(dim=1)
+    pooled: torch.Tensor = logits.amax(dim=1) if gqa_pool == "max" else logits.mean(dim=1)
+    return pooled
 
 
 
@@ -66,4 +67,5 @@ def key_redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
     last_duplicate = torch.where(has_duplicate, length - 1 - from_end, torch.zeros_like(from_end))
     del above
     sim.scatter_(-1, last_duplicate.unsqueeze(-1), 0.0)
-    return sim.mean(dim=-2).softmax(dim=-1)
+    redundancy: torch.Tensor = sim.mean(dim=-2).softmax(dim=-1)
+    return redundancy

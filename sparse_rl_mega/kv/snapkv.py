@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from sparse_rl_mega.kv.base import GQA_POOLS, POOLS, EvictionPolicy, PolicyError
 
@@ -32,7 +32,10 @@ class SnapKVPolicy(EvictionPolicy):
                 raise PolicyError(f"params.{key}", f"{name}: {key} must be one of {', '.join(allowed)}, "
                                                    f"got {getattr(self, key)!r}")
 
-    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+    def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
+              accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         from sparse_rl_mega.kv import scoring  # (torch: imported when a policy scores, see base.py)
 
+        if window_queries is None:
+            raise ValueError("SnapKV scores with the window's queries [q_heads, window, head_dim]")
         return scoring.window_importance(keys, window_queries, self.gqa_pool, self.kernel, self.pool)

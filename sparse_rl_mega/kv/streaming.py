@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from sparse_rl_mega.kv.base import EvictionPolicy
 
@@ -16,14 +16,20 @@ class StreamingPolicy(EvictionPolicy):
     non-sink slot of the budget goes to recent tokens. The same tokens in every layer and head."""
     position_only: ClassVar[bool] = True
 
-    def score(self, keys, window_queries, accumulated=None) -> torch.Tensor:
+    def score(self, keys: torch.Tensor, window_queries: Optional[torch.Tensor],
+              accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError("streaming selects by position")
 
-    def select(self, keys, window_queries, budget, length=None, accumulated=None) -> torch.Tensor:
+    def select(self, keys: Optional[torch.Tensor], window_queries: Optional[torch.Tensor], budget: int,
+               length: Optional[int] = None, accumulated: Optional[torch.Tensor] = None) -> torch.Tensor:
         import torch  # (here, not at the top: the config reads the policies' declarations without torch)
 
         self.check_budget(budget)
-        n = int(length if length is not None else keys.shape[1])
+        if length is None:
+            if keys is None:
+                raise ValueError("streaming selects by position: give the length (or the keys)")
+            length = keys.shape[1]
+        n = int(length)
         if n <= budget:
             return torch.arange(n)
         return torch.cat([torch.arange(self.sink), torch.arange(n - (budget - self.sink), n)])

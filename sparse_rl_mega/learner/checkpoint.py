@@ -27,7 +27,8 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -7,7 +7,8 @@ canonical key, global shape and offset, whatever the TP/PP layout.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Optional
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist

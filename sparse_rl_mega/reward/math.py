@@ -82,8 +82,8 @@ def _answer_is(tail: str) -> Optional[str]:
         return None
     rest = tail[matches[-1].end():matches[-1].end() + 2 * MAX_ANSWER_CHARS]
     rest = rest.split("\n", 1)[0].strip().strip("*").strip()
-    math_span = re.match(r"\$\$?([^$]{1,%d})\$" % MAX_ANSWER_CHARS, rest) or re.match(
-        r"\\\(([^\n]{1,%d}?)\\\)" % MAX_ANSWER_CHARS, rest)
+    math_span = re.match(rf"\$\$?([^$]{{1,{MAX_ANSWER_CHARS}}})\$", rest) or re.match(
+        rf"\\\(([^\n]{{1,{MAX_ANSWER_CHARS}}}?)\\\)", rest)
     if math_span:
         rest = math_span.group(1)
     else:  # up to the end of the sentence

@@ -52,7 +52,7 @@ class ScorerStats:
     worker_checks: int = 0      # items sent to workers (the rest were settled by string / integer equality)
     seconds: float = 0.0
 
-    def add(self, other: "ScorerStats") -> None:
+    def add(self, other: ScorerStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -107,7 +107,7 @@ class Scorer:
     def close(self) -> None:
         self._closed = True
 
-    def __enter__(self) -> "Scorer":
+    def __enter__(self) -> Scorer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,8 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Awaitable, Optional, Sequence
+from typing import Optional
+from collections.abc import Awaitable, Sequence
 
 import torch
 

@@ -9,7 +9,8 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Optional, Sequence
+from typing import Optional
+from collections.abc import Sequence
 
 import torch
 
@@ -27,7 +28,7 @@ def keep_process_on_child_crash() -> None:
         signal.signal(signal.SIGQUIT, _child_crashed)
 
 
-def _child_crashed(signum, frame) -> None:  # noqa: ARG001 (the engine's calls report the failure)
+def _child_crashed(signum, frame) -> None:  # (the engine's calls report the failure)
     pass
 
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
-from typing import Callable, Optional, TypeVar
+from typing import Optional, TypeVar
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

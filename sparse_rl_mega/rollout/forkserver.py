@@ -38,7 +38,7 @@ from sparse_rl_mega.rollout import sglang_internals
 from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.warm_fork import WarmProcess
 
-_started: dict[int, "EngineProcess"] = {}  # pid -> process, for exit codes
+_started: dict[int, EngineProcess] = {}  # pid -> process, for exit codes
 _spawned_because: list[str] = []  # the variables that sent the last engine process to spawn
 _install_lock = threading.Lock()
 # read by SGLang's processes only after the fork, and set anew for each engine: the KV settings (by the
@@ -109,7 +109,7 @@ class _SGLangMultiprocessing:
     under the server's environment, else multiprocessing's own (``spawn``, which SGLang sets)."""
 
     @property
-    def Process(self):  # noqa: N802 (multiprocessing's name)
+    def Process(self):  # (multiprocessing's name)
         return EngineProcess if _server_for_this_environment() else multiprocessing.Process
 
     def __getattr__(self, name: str):

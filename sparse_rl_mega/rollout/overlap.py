@@ -89,7 +89,7 @@ class SampledBatch:
                 "kv_budget": self.kv_budget, "batch": {f.name: getattr(self.batch, f.name) for f in fields(self.batch)}}
 
     @classmethod
-    def from_state(cls, state: dict) -> "SampledBatch":
+    def from_state(cls, state: dict) -> SampledBatch:
         metrics = state["metrics"]
         budget = state.get("kv_budget", int(metrics["kv/budget"]) if "kv/budget" in metrics else None)  # (older saves)
         return cls(iteration=state["iteration"], batch=RolloutBatch(**state["batch"]), metrics=metrics,

@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -568,7 +570,7 @@ def hook_cpu_weight_updates(keep_mapped: Callable[[torch.Tensor], None]) -> None
 
     flush = Scheduler.flush_cache
 
-    def flush_cache(self, empty_cache: bool = True):  # noqa: ARG001 (always without the collection)
+    def flush_cache(self, empty_cache: bool = True):  # (always without the collection)
         return flush(self, empty_cache=False)
 
     Scheduler.flush_cache = flush_cache

@@ -21,7 +21,8 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Optional
+from collections.abc import Callable, Iterable
 
 import psutil
 

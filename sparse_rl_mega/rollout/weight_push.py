@@ -202,8 +202,8 @@ class WeightPush:
             submitted = None
             if way == "group":  # asked for before this rank broadcasts it (when it is the owner)
                 group = self.groups[bucket.owner].name
-                submitted = (None, self._submit(lambda: self.engine.submit_flat_receive(
-                    bucket.slots, self.plan.dtype, group, self._version_if_last(bucket))))
+                submitted = (None, self._submit(lambda: self.engine.submit_flat_receive(  # (called at once)
+                    bucket.slots, self.plan.dtype, group, self._version_if_last(bucket))))  # noqa: B023
             if bucket.owner == self.rank:
                 self._pack_and_publish(bucket, own)
                 own += 1
@@ -213,8 +213,8 @@ class WeightPush:
                 self.times.send_s += time.perf_counter() - started
             if way == "shared":
                 payloads = self._take(bucket)
-                submitted = (bucket.index, self._submit(lambda: self.engine.submit_flat_bucket(
-                    payloads, self._version_if_last(bucket))))
+                submitted = (bucket.index, self._submit(lambda: self.engine.submit_flat_bucket(  # (called at once)
+                    payloads, self._version_if_last(bucket))))  # noqa: B023
             if submitted is not None:
                 # queued behind the bucket the engine is loading, so that the engine goes on without a
                 # round trip to this thread; then that one is done (and marked loaded for its owner)

@@ -11,7 +11,8 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import xxhash
 

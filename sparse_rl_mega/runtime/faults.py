@@ -28,7 +28,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 from sparse_rl_mega.runtime import warm_fork
 from sparse_rl_mega.runtime.checkpoint_files import complete_checkpoints

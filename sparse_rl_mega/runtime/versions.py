@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version

@@ -58,7 +58,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import ForkServerProcess
 from multiprocessing.reduction import DupFd
-from typing import Callable, Optional, Sequence
+from typing import Optional
+from collections.abc import Callable, Sequence
 
 
 _PR_SET_PDEATHSIG = 1
@@ -333,7 +334,7 @@ def end_as_interpreter(run: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         interrupted = True
         sys.excepthook(*sys.exc_info())
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (any end but a Ctrl-C: reported, exit status 1)
         code = 1
         sys.excepthook(*sys.exc_info())
     threading._shutdown()  # (an interpreter's end, as multiprocessing's bootstrap does: threads joined first)

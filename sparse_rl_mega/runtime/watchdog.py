@@ -33,7 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 from sparse_rl_mega.runtime.jobs import print_error
 
@@ -177,7 +178,7 @@ class Watchdog:
                       "beats": self.beats, "bound": bound, "why": why, "host": self.host, "pid": self.pid}
         try:
             self.store.set(f"rank{self.rank}", json.dumps(record))
-        except Exception:  # noqa: BLE001 (the store went away: the job is ending)
+        except Exception:  # (the store went away: the job is ending)
             if strict:
                 raise
 

@@ -32,7 +32,7 @@ class Cadence:
         self.eval_before_training = eval_before_training
 
     @classmethod
-    def from_config(cls, cfg, engines_release_memory: bool) -> "Cadence":
+    def from_config(cls, cfg, engines_release_memory: bool) -> Cadence:
         return cls(iterations=cfg.trainer.iterations, max_staleness=cfg.rollout.max_staleness,
                    engines_release_memory=engines_release_memory, save_interval=cfg.checkpoint.save_interval,
                    evaluating=cfg.eval.path is not None, eval_interval=cfg.eval.interval,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional
+from collections.abc import Callable, Sequence
 
 from sparse_rl_mega.config.evaluation import AUTO, needs_request_override, parse_kv_variants
 from sparse_rl_mega.data.formatting import encode_prompt

@@ -18,7 +18,8 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import yaml
 
@@ -145,7 +146,7 @@ class MetricQueue:
                 entry = self.pending[0]
             try:
                 send_entry(self.client, entry)
-            except Exception as exc:  # the store does not answer (or refuses): keep the values, try again later
+            except Exception as exc:  # noqa: BLE001 (the store does not answer or refuses: kept, tried again later)
                 with self.changed:
                     if self.down_since is None:
                         self.down_since = time.time()
@@ -395,7 +396,7 @@ def send_unsent(run_dir: Path, tracking_uri: Optional[str] = None) -> str:
     for n, entry in enumerate(entries):
         try:
             send_entry(client, entry)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (whatever the client raised: one line)
             raise RuntimeError(f"the MLflow store {uri} does not answer ({why_unreachable(exc)}): sent "
                                f"{describe(entries[:n])}, {describe(entries[n:])} still in {path}") from None
         write_unsent(path, entries[n + 1:])  # (a second try sends no value twice)

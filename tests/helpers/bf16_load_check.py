@@ -10,7 +10,7 @@ import sys
 
 from common import start  # (first: CPU shims before Megatron)
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 
 def main() -> None:

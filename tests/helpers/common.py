@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng  # noqa: E402
+from sparse_rl_mega.learner.cpu_shims import apply_if_cpu, seed_model_parallel_rng
 
 apply_if_cpu()
 

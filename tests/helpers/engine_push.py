@@ -4,7 +4,8 @@ tensors), or broadcast over a weight group this process forms as its member 0. T
 through ``sparse_rl_mega/rollout/fleet.py`` and ``weight_push.py`` instead."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from common import init_parallel  # (first: CPU shims before Megatron)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from gpu_step_check import SHAPES, shape_config  # noqa: E402 (the same shapes)
+from gpu_step_check import SHAPES, shape_config  # (the same shapes)
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -68,7 +68,7 @@ def answer(answers, child, limit_s: float = 600.0):
         except queue.Empty:
             waited += 2.0
             if not child.is_alive():
-                raise SystemExit(f"gpu_ipc_check: the receiver process died (exit code {child.exitcode})")
+                raise SystemExit(f"gpu_ipc_check: the receiver process died (exit code {child.exitcode})") from None
     raise SystemExit(f"gpu_ipc_check: no answer from the receiver in {limit_s:.0f} s")
 
 

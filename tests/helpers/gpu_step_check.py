@@ -23,8 +23,8 @@ from pathlib import Path
 
 from common import init_parallel  # (first: CPU shims before Megatron)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 SHAPES = {
     "1b": dict(family="llama", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,

@@ -22,10 +22,10 @@ import sys
 
 from common import init_process_group, run_config, set_layout  # (first: CPU shims before Megatron)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from grad_batch import ALGORITHM, GROUP, LOSSES, N, fill_loss_inputs, synthetic_batch  # noqa: E402
+from grad_batch import ALGORITHM, GROUP, LOSSES, N, fill_loss_inputs, synthetic_batch
 
 
 def _local_batch(cfg, learner, dtype):

@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 from common import init_process_group, run_config, set_layout  # (first: CPU shims before Megatron)
-from float_bounds import float64_causal_lm, forward_depth  # noqa: E402
+from float_bounds import float64_causal_lm, forward_depth
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 TEMPERATURE = 0.6
 IDS = torch.tensor([[3, 9, 27, 31, 50, 7, 11, 13, 2, 5], [8, 6, 4, 2, 1, 3, 5, 7, 9, 10]])

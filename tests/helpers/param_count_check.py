@@ -10,7 +10,7 @@ from pathlib import Path
 
 from common import init_parallel  # (first: CPU shims before Megatron)
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 
 def main() -> None:

@@ -240,3 +240,16 @@ def test_unknown_key_exits_nonzero_with_one_line():
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "trainer.stepz" in lines[0], proc.stderr
+
+
+def test_the_configuration_reference_is_current_and_documents_every_key():
+    """docs/config-reference.md is what sparse_rl_mega/config/reference.py generates (a key added or
+    changed without regenerating it fails here), and every key says what it does: a comment at its
+    field, or a mention in its section's docstring."""
+    from sparse_rl_mega.config.reference import PAGE, render, sections
+    from sparse_rl_mega.config.run import RunConfig
+
+    assert PAGE.read_text() == render(), "regenerate it: python -m sparse_rl_mega.config.reference"
+    undocumented = [key for _, cls, rows in sections(RunConfig) for key, _, _, comment in rows
+                    if not comment and f"``{key.rsplit('.', 1)[-1]}``" not in (cls.__doc__ or "")]
+    assert undocumented == [], "say what each does (a comment at the field)"

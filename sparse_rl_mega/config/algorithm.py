@@ -22,21 +22,22 @@ class CorrectionConfig:
     # "dense": pi_old is the learner's dense recomputation; "sampler": pi_old := pi_sparse (bypass,
     # skips the dense forward pass; the mismatch is then neither measured nor corrected)
     old_policy: Literal["dense", "sampler"] = "dense"
-    log_ratio_bound: float = 20.0
+    log_ratio_bound: float = 20.0  # |log rho| clamp (above)
     # importance weights: level of the ratio, then truncate (min(w, U)), clip ([L, U]) or mask (0 outside)
     is_level: Level = "token"
-    is_mode: Literal["truncate", "clip", "mask"] = "truncate"
-    is_low: Optional[float] = None
-    is_high: Optional[float] = 1.5
-    is_batch_normalize: bool = True
+    is_mode: Literal["truncate", "clip", "mask"] = "truncate"  # how the bounds apply (above; docs/algorithm.md)
+    is_low: Optional[float] = None  # lower bound L of the weights (None: none)
+    is_high: Optional[float] = 1.5  # upper bound U of the weights (None: none)
+    is_batch_normalize: bool = True  # divide the weights by their mean over the optimizer step's global batch
     # rejection (rejected tokens leave numerator and denominator of the loss)
     seq_veto_threshold: Optional[float] = 1e-4
-    reject_level: Level = "token"
-    reject_low: Optional[float] = 0.5
-    reject_high: Optional[float] = 1.5
-    kl_reject_estimator: Literal["k1", "k2", "k3"] = "k3"
+    reject_level: Level = "token"  # level of the ratio that rejection bounds (none: no rejection)
+    reject_low: Optional[float] = 0.5  # reject where rho < reject_low (None: no lower bound)
+    reject_high: Optional[float] = 1.5  # reject where rho > reject_high (None: no upper bound)
+    kl_reject_estimator: Literal["k1", "k2", "k3"] = "k3"  # the divergence estimate of kl_reject_threshold
+    # per token, or per sequence by sum / mean / max
     kl_reject_agg: Literal["token", "seq_sum", "seq_mean", "seq_max"] = "token"
-    kl_reject_threshold: Optional[float] = None
+    kl_reject_threshold: Optional[float] = None  # reject where the divergence exceeds this (None: off)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> CorrectionConfig:
@@ -67,18 +68,19 @@ CORRECTION_PRESETS: dict[str, dict] = {
 
 @dataclass
 class AlgorithmConfig:
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
+    eps_clip_low: float = 0.2  # PPO ratio clip below: 1 - eps_clip_low
+    eps_clip_high: float = 0.2  # PPO ratio clip above: 1 + eps_clip_high
     dual_clip: Optional[float] = None  # c > 1: for A < 0 the token loss is capped at -c * A
     kl_coef: float = 0.0  # KL(pi_theta || pi_ref) penalty; > 0 keeps a frozen reference model
     # low_var_kl: k3 capped at 10 per token, as the paper's release (slime) trains with
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    # how token losses add up to the step's loss (docs/algorithm.md)
     loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     # what the step's summed loss is divided by: every sequence of the step (token-mean: every response
     # token), rejected ones included, as the paper's release does; or only what the correction kept
     loss_denominator: Literal["batch", "kept"] = "batch"
-    advantage_std_normalize: bool = True
+    advantage_std_normalize: bool = True  # GRPO advantages divided by the group's reward standard deviation
     # GRPO statistics over every sample of a group (default) or only over those that survive rejection
     advantage_after_rejection: bool = False
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)

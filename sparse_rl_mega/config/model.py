@@ -16,7 +16,7 @@ class RopeScalingConfig:
     ``s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``. ``linear``: every
     frequency divided by ``factor``. ``dynamic``, ``yarn`` and the others are refused where a
     config.json is read (config/hf.py)."""
-    rope_type: Literal["llama3", "linear"] = "llama3"
+    rope_type: Literal["llama3", "linear"] = "llama3"  # the scaling rule (above)
     factor: Optional[float] = None  # required
     low_freq_factor: Optional[float] = None  # llama3 only (required there)
     high_freq_factor: Optional[float] = None  # llama3 only (required there)
@@ -51,19 +51,19 @@ class ArchConfig:
     The family fixes what the layout cannot say: ``qwen2`` always has q/k/v biases, ``qwen3`` has a
     per-head RMSNorm on queries and keys (``q_norm``/``k_norm``; Megatron's ``qk_layernorm``) and no
     biases, ``llama`` neither."""
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"  # the HF architecture (above: what each implies)
+    num_layers: int = 2  # transformer layers (HF num_hidden_layers)
+    hidden_size: int = 64  # model width
+    ffn_hidden_size: int = 128  # SwiGLU inner width (HF intermediate_size)
+    num_attention_heads: int = 4  # query heads
+    num_query_groups: int = 2  # KV heads (HF num_key_value_heads; GQA when below the query heads)
     # width of one attention head; None: hidden_size / num_attention_heads (Qwen3 sets it explicitly)
     head_dim: Optional[int] = None
-    vocab_size: int = 512
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
+    vocab_size: int = 512  # embedding rows (HF vocab_size)
+    max_position_embeddings: int = 2048  # positions the model takes: prompt + response must fit (pre-flight)
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-6  # RMSNorm epsilon (HF rms_norm_eps)
+    tie_word_embeddings: bool = False  # the output layer shares the embedding's weights
     qkv_bias: bool = False  # q/k/v projection biases (implied by family qwen2)
     rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
 
@@ -98,23 +98,25 @@ class TinyModelConfig:
     supervised steps on the training set so that RL has a reward signal from the first iteration.
     The supervised target of a row is its ``worked`` answer when the data file has one (tools/
     prepare_data.py writes them for ``long_sums``), else a short sentence ending in the label."""
-    tokenizer_vocab_size: int = 320
-    warmup_sft_steps: int = 150
-    warmup_lr: float = 3e-3
-    warmup_batch_size: int = 16
+    tokenizer_vocab_size: int = 320  # the byte-level BPE tokenizer's vocabulary
+    warmup_sft_steps: int = 150  # supervised steps before RL (0: none)
+    warmup_lr: float = 3e-3  # their learning rate
+    warmup_batch_size: int = 16  # their batch size (rows)
     # a linear warm-up of the learning rate over the first 50 steps and a linear decay to 0.1 of it
     warmup_decay: bool = False
-    seed: int = 0
+    seed: int = 0  # seed of the tokenizer training, the initial weights and the supervised steps
 
 
 @dataclass
 class ModelConfig:
+    # the HF model folder (config.json, tokenizer, safetensors); built there first by create_tiny when set and absent
     path: str = ""
     arch: ArchConfig = field(default_factory=ArchConfig)
     create_tiny: Optional[TinyModelConfig] = None
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the learner's and engines' compute dtype
     # Learner layer implementation: "local" (pure torch, CPU and GPU) or "transformer_engine" (GPU).
     transformer_impl: Literal["local", "transformer_engine"] = "local"
+    # FP8 training (Transformer Engine, GPU): e4m3 everywhere, or hybrid (e5m2 gradients); None: off
     fp8: Optional[Literal["e4m3", "hybrid"]] = None
     # delayed / tensorwise (current) scaling on Hopper; mxfp8 on Blackwell; blockwise (Hopper, TE >= 2.3)
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
@@ -123,12 +125,12 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    nnodes: int = 1
-    nproc_per_node: int = 2
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    nnodes: int = 1  # nodes of the job (torchrun --nnodes; checked against the launch)
+    nproc_per_node: int = 2  # learner ranks per node (torchrun --nproc-per-node)
+    tensor_model_parallel_size: int = 1  # Megatron TP of the learner
+    pipeline_model_parallel_size: int = 1  # Megatron PP of the learner; DP is what the world size leaves
+    sequence_parallel: bool = False  # Megatron sequence parallelism (with TP > 1)
+    use_distributed_optimizer: bool = False  # shard the optimizer state over DP (Megatron's distributed optimizer)
     # activation recomputation: "selective" recomputes core attention in the backward pass, "full"
     # every transformer layer (uniform, one layer per checkpoint); trades compute for activation memory
     recompute: Literal["none", "selective", "full"] = "none"

@@ -19,16 +19,15 @@ class AutoBudgetConfig:
     one measured (sparse_rl_mega/kv/auto_budget.py, docs/algorithm.md "The automatic budget"). The
     section's ``budget`` is where it starts; engines, ``--plan``, admission and the side buffers are
     sized for ``max``."""
-    min: Optional[int] = None
+    min: Optional[int] = None  # the smallest budget it may set
     max: Optional[int] = None
     # the target: the quantile-percent quantile of rho = pi_old / pi_sparse over response tokens stays
     # >= min_rho (one of the measured quantiles, algo/correction.py LOG_RHO_QUANTILES below the median)
     quantile: float = 5.0
-    min_rho: float = 0.5
-    # tokens up after a violation / down after a rollout within the target; default a third of the
-    # range up and a quarter of that down
-    increase: Optional[int] = None
-    decrease: Optional[int] = None
+    min_rho: float = 0.5  # that quantile's bound
+    # the steps: default a third of the range up and a quarter of that down
+    increase: Optional[int] = None  # tokens up after a violation (default above)
+    decrease: Optional[int] = None  # tokens down after a rollout within the target (default above)
 
     @property
     def step_up(self) -> int:
@@ -53,7 +52,7 @@ class KVCompressionConfig:
     budget: int = 512
     sink: int = 4                 # first tokens always kept (StreamingLLM's sinks; the published R-KV/SnapKV: 0)
     window: int = 8
-    interval: int = 128
+    interval: int = 128  # compress when a request holds budget + interval tokens (every interval decoded tokens)
     # scoring policies: one kept set per layer (KV heads' scores summed), per KV head (R-KV's own code),
     # or one set for every layer of a request (the paper's release; the engine then copies no K/V)
     selection: Literal["per_layer", "per_head", "shared"] = "per_layer"
@@ -89,21 +88,24 @@ class KVCompressionConfig:
 
 @dataclass
 class RolloutConfig:
-    num_engines: int = 1
-    engine_tensor_parallel_size: int = 1
+    num_engines: int = 1  # SGLang engines serving the rollouts
+    engine_tensor_parallel_size: int = 1  # TP of each engine (its GPUs, or CPU processes)
+    # colocated: engines share the learner's devices and sleep while it trains; separate: their own
     placement: Literal["colocated", "separate"] = "colocated"
-    n_samples_per_prompt: int = 8
-    max_new_tokens: int = 1024
+    n_samples_per_prompt: int = 8  # responses per prompt (the GRPO group)
+    max_new_tokens: int = 1024  # the longest response
     # the sampling distribution: softmax(logits / temperature), truncated to the top_k most likely tokens
     # (-1: off) and to the smallest set of them holding top_p of the mass, renormalised. The learner's
     # passes reproduce it exactly (docs/algorithm.md, "The behaviour policy"); min_p is refused (> 0):
     # SGLang 0.5.23's seeded sampler cannot draw it
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    top_p: float = 1.0  # nucleus sampling (1: off); the learner reproduces the truncation
+    top_k: int = -1  # top-k sampling (-1: off); the learner reproduces the truncation
+    min_p: float = 0.0  # must stay 0: the learner cannot reproduce min-p (refused)
+    # the engine's KV pool in tokens; None: SGLang's sizing from mem_fraction_static
     max_total_tokens: Optional[int] = None
-    mem_fraction_static: float = 0.8
+    mem_fraction_static: float = 0.8  # SGLang's share of GPU memory for weights and KV pool
+    # requests an engine decodes at once; None: SGLang's choice (GPU engines with a scoring policy: 512)
     max_running_requests: Optional[int] = None
     attention_backend: Optional[str] = None  # None: torch_native on CPU, SGLang's default on GPU
     kv_compression: KVCompressionConfig = field(default_factory=KVCompressionConfig)
@@ -111,8 +113,8 @@ class RolloutConfig:
     # for engine_timeout_s (no generated output, no reply to a weight bucket) fails, as does one whose
     # engine processes died; the engine is then restarted, at most max_engine_restarts times per job
     startup_timeout_s: float = 1800.0  # an engine's start (a 70B engine loads for minutes)
-    engine_timeout_s: float = 600.0
-    max_engine_restarts: int = 3
+    engine_timeout_s: float = 600.0  # an engine call with no answer for this long fails the engine (then restarted)
+    max_engine_restarts: int = 3  # restarts of failed engines before the run stops
     # overlapped rollouts (sparse_rl_mega/rollout/overlap.py): 0 = generate, then train, then push; K >= 1:
     # the engines generate the next iteration's samples while the learner trains, and no sample is trained
     # on with weights more than K versions (iterations) older than the learner's

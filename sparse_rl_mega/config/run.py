@@ -18,18 +18,19 @@ class DataConfig:
     raw question and answer, formatted at load time: ``question + "\\n" + instruction``, rendered with
     the chat template of ``tokenizer`` when ``apply_chat_template``; the label is the answer's text
     after ``####`` (GSM8K), else its last ``\\boxed{}`` (MATH solutions), else the whole answer."""
-    train_path: str = ""
+    train_path: str = ""  # the training prompts (jsonl)
     format: Literal["prompt_label", "question_answer"] = "prompt_label"
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    prompt_key: str = "prompt"  # format prompt_label: the prompt's key
+    label_key: str = "label"  # format prompt_label: the gold label's key
     question_key: str = "question"  # format question_answer
     answer_key: str = "answer"      # format question_answer
+    # format question_answer: appended to the question
     instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
     apply_chat_template: bool = False  # format question_answer
     tokenizer: Optional[str] = None    # HF folder with the chat template; None: model.path (set by the trainer)
-    prompts_per_iteration: int = 32
-    shuffle: bool = True
-    seed: int = 1234
+    prompts_per_iteration: int = 32  # prompts sampled per iteration (each gets n_samples_per_prompt responses)
+    shuffle: bool = True  # a new order of the prompts every epoch
+    seed: int = 1234  # the shuffle's seed
 
 
 @dataclass
@@ -41,7 +42,7 @@ class RewardConfig:
     ``#### x``, a MATH solution's box, or the label as written) with math-verify in ``workers`` worker
     processes; one check past ``timeout_s`` seconds is killed and scores 0 (counted in reward/timeouts).
     Model output is never evaluated as code."""
-    type: Literal["exact_answer", "math"] = "exact_answer"
+    type: Literal["exact_answer", "math"] = "exact_answer"  # the scorer (above)
     # math, answer when no \boxed{}: answer_is ("the answer is X" / "Answer: X"), last_number, both in that
     # order (default), or none (only boxed answers count)
     fallback: Literal["answer_is_or_last_number", "answer_is", "last_number", "none"] = "answer_is_or_last_number"
@@ -67,23 +68,23 @@ class EvalConfig:
     kv: str = "dense,rollout"         # comma-separated settings
     n_samples: int = 4                # samples per problem (k of mean@k / pass@k)
     temperature: float = 1.0          # 0: greedy (then n_samples must be 1)
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling of the evaluation's decoding
     max_new_tokens: Optional[int] = None  # None: rollout.max_new_tokens
-    seed: int = 0
+    seed: int = 0  # the evaluation's sampling seed
 
 
 @dataclass
 class TrainerConfig:
-    iterations: int = 3
-    global_batch_size: int = 256
-    micro_batch_size: int = 1
-    lr: float = 1e-6
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    clip_grad: float = 1.0
-    seed: int = 1234
-    run_dir: str = "runs/default"
+    iterations: int = 3  # RL iterations (rollout, then optimizer steps) of the run
+    global_batch_size: int = 256  # samples per optimizer step; must divide the samples per iteration
+    micro_batch_size: int = 1  # samples per forward/backward pass of one rank
+    lr: float = 1e-6  # AdamW learning rate
+    weight_decay: float = 0.1  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.98  # AdamW beta2
+    clip_grad: float = 1.0  # gradient-norm clip
+    seed: int = 1234  # the learner's and rollouts' seed
+    run_dir: str = "runs/default"  # the run's folder: logs, checkpoints, eval.json, unsent metrics
     # After every weight sync, compare the engine's dense logprobs of a fixed sequence with the
     # learner's and log the largest difference (sync/max_abs_logprob_diff).
     verify_sync: bool = True
@@ -97,7 +98,7 @@ class TrainerConfig:
     # needed by several engines and by engines on other devices or nodes; on CPU, engines read the
     # buckets of owners on their node from shared buffers, the others' over gloo)
     sync_method: Literal["tensor", "broadcast"] = "tensor"
-    torch_threads: int = 1
+    torch_threads: int = 1  # torch threads of each learner rank (CPU)
     # an optimizer step whose loss or gradient norm is NaN/Inf is skipped (weights and optimizer state
     # unchanged, counted in train/skipped_steps); this many skipped steps in a row stop the job
     max_consecutive_skips: int = 3
@@ -105,16 +106,17 @@ class TrainerConfig:
     # progress for max(watchdog_floor_s, watchdog_factor x the longest time of the phase a rank is in);
     # watchdog_first_s in a phase not completed before (None: rollout.startup_timeout_s + 300); 0: off
     watchdog_floor_s: float = 180.0
-    watchdog_factor: float = 5.0
+    watchdog_factor: float = 5.0  # a phase's bound: this times the longest it took so far (at least watchdog_floor_s)
+    # the bound of a phase not yet completed once; None: rollout.startup_timeout_s + 300
     watchdog_first_s: Optional[float] = None
 
 
 @dataclass
 class TrackingConfig:
-    enabled: bool = True
+    enabled: bool = True  # log metrics and the config to MLflow
     tracking_uri: Optional[str] = None  # None: sqlite store inside the run folder
-    experiment: str = "sparse-rl-mega"
-    run_name: Optional[str] = None
+    experiment: str = "sparse-rl-mega"  # the MLflow experiment
+    run_name: Optional[str] = None  # the MLflow run's name; None: MLflow's
     # at the end of a job, how long to wait for a tracking store that does not take metrics before the
     # unsent ones are left in <run_dir>/mlflow_unsent.jsonl (the next launch there sends them)
     flush_timeout_s: float = 120.0
@@ -123,7 +125,7 @@ class TrackingConfig:
 @dataclass
 class CheckpointConfig:
     save_interval: int = 0  # iterations between saves; 0 = never
-    keep_last: int = 2
+    keep_last: int = 2  # checkpoints kept (older ones removed after a verified save)
     dir: Optional[str] = None  # None: <run_dir>/checkpoints
     # resume from: "auto" (the newest complete checkpoint under ``dir``; start fresh when there is
     # none), a checkpoint folder (iter_*) or a folder of checkpoints; None: start from model.path.

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from sparse_rl_mega.config.errors import ConfigError, require
 
@@ -40,7 +40,7 @@ class CorrectionConfig:
     kl_reject_threshold: Optional[float] = None  # reject where the divergence exceeds this (None: off)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> CorrectionConfig:
+    def from_preset(cls, name: str, **overrides: Any) -> CorrectionConfig:
         if name not in CORRECTION_PRESETS:
             raise ConfigError(f"unknown correction preset {name!r}; expected one of: {', '.join(CORRECTION_PRESETS)}")
         return cls(**{**CORRECTION_PRESETS[name], "preset": name, **overrides})
@@ -48,7 +48,7 @@ class CorrectionConfig:
 
 _NO_CORRECTION = dict(is_level="none", is_batch_normalize=False, seq_veto_threshold=None, reject_level="none",
                       reject_low=None, reject_high=None, kl_reject_threshold=None)
-CORRECTION_PRESETS: dict[str, dict] = {
+CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
     # the paper: token IS truncated at 1.5 and batch-normalised, token rejection [0.5, 1.5], veto 1e-4
     "sparse_rl": dict(old_policy="dense", is_level="token", is_mode="truncate", is_low=None, is_high=1.5,
                       is_batch_normalize=True, seq_veto_threshold=1e-4, reject_level="token", reject_low=0.5,

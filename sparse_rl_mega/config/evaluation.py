@@ -2,7 +2,7 @@
 and checked against the rollout's KV section."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from sparse_rl_mega.config.errors import ConfigError, require
 from sparse_rl_mega.config.run import RunConfig
@@ -10,7 +10,7 @@ from sparse_rl_mega.kv.base import PolicyError
 from sparse_rl_mega.kv.registry import policy_names
 
 
-def request_kv(kv, policy: str, budget: int) -> dict:
+def request_kv(kv: Any, policy: str, budget: int) -> dict[str, Any]:
     """The per-request KV settings of ``policy`` at ``budget`` with every other field of ``kv`` (a
     KVCompressionConfig: sink, window, interval, selection, shared scores and the policy's parameters,
     e.g. R-KV's kernel and lambda), whatever ``kv``'s own policy is (a dense run's section still says
@@ -22,7 +22,7 @@ def request_kv(kv, policy: str, budget: int) -> dict:
 AUTO = {"budget": "auto"}  # parse_kv_variants: the rollout's automatic budget, resolved when evaluated
 
 
-def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[dict]]]:
+def parse_kv_variants(spec: str, rollout_kv: Any = None) -> list[tuple[str, Optional[dict[str, Any]]]]:
     """``"dense,rollout,snapkv:64"`` -> ``[(label, per-request KV override or None), ...]``.
 
     ``dense`` / ``none``: no compression; ``POLICY:BUDGET``: that policy at that budget with every
@@ -31,7 +31,7 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
     label; the override is None; with an automatic budget the label is ``POLICY:auto`` and the trainer
     gives each evaluation the budget in force: :data:`AUTO`). A setting named twice ('rollout' and the same explicit setting) is
     evaluated once. Raises ValueError naming the bad item."""
-    out: list[tuple[str, Optional[dict]]] = []
+    out: list[tuple[str, Optional[dict[str, Any]]]] = []
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if len(set(items)) != len(items):
         raise ValueError(f"KV settings repeat: {items}")
@@ -56,13 +56,13 @@ def parse_kv_variants(spec: str, rollout_kv=None) -> list[tuple[str, Optional[di
     if not out:
         raise ValueError("no KV setting given")
     # 'rollout' may name a setting also listed explicitly (dense rollouts and 'dense'): evaluate it once
-    unique: dict[str, Optional[dict]] = {}
+    unique: dict[str, Optional[dict[str, Any]]] = {}
     for label, override in out:
         unique.setdefault(label, override)
     return list(unique.items())
 
 
-def needs_request_override(variants: list[tuple[str, Optional[dict]]]) -> bool:
+def needs_request_override(variants: list[tuple[str, Optional[dict[str, Any]]]]) -> bool:
     """Whether evaluating ``variants`` (:func:`parse_kv_variants`) needs an engine that accepts
     per-request KV settings (any setting other than the rollout's own)."""
     return any(override is not None and override is not AUTO for _, override in variants)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import typing
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from sparse_rl_mega.config.errors import ConfigError, require
 from sparse_rl_mega.config.model import ArchConfig, RopeScalingConfig, rope_scaling_problem
 
 
-def fill_arch_from_folder(raw: dict, source: str) -> list[str]:
+def fill_arch_from_folder(raw: dict[str, Any], source: str) -> list[str]:
     """Fill the ``model.arch`` fields that ``raw`` leaves out from the HF ``config.json`` in ``model.path``
     (``family`` from its ``model_type``), in place; returns the names filled. Fields written in the
     config stay as written (and are checked against the folder by :func:`validate`). Without a folder
@@ -34,7 +34,7 @@ def fill_arch_from_folder(raw: dict, source: str) -> list[str]:
     return filled
 
 
-def read_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
+def read_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict[str, Any]:
     """An HF folder's ``config.json`` as a dict; one that cannot be read raises :class:`ConfigError`."""
     path = Path(model_dir) / "config.json"
     try:
@@ -46,7 +46,7 @@ def read_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
     return hf
 
 
-def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict:
+def arch_from_hf_config(model_dir: str | Path, source: Optional[str] = None) -> dict[str, Any]:
     """``model.arch`` values read from an HF folder's ``config.json`` (the keys it defines).
 
     Reads both config layouts of transformers (``rope_theta`` at the top and ``rope_scaling``, 4.x, or
@@ -90,7 +90,7 @@ _ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "origi
               "linear": ("factor",)}
 
 
-def _rope_scaling(hf: dict, rope: dict, where: str) -> Optional[dict]:
+def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], where: str) -> Optional[dict[str, Any]]:
     """``model.arch.rope_scaling`` from an HF rope section (``where``: its file and key, for errors);
     None for plain RoPE. Other rope types, keys and values that cannot be raise :class:`ConfigError`."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -117,7 +117,7 @@ def _rope_scaling(hf: dict, rope: dict, where: str) -> Optional[dict]:
     return {"rope_type": rope_type, **values}
 
 
-def hf_rope_parameters(arch: ArchConfig) -> dict:
+def hf_rope_parameters(arch: ArchConfig) -> dict[str, Any]:
     """transformers' ``rope_parameters`` (5.x) of ``arch``: rope_type, rope_theta and the scaling's keys."""
     s = arch.rope_scaling
     if s is None:
@@ -126,13 +126,13 @@ def hf_rope_parameters(arch: ArchConfig) -> dict:
             **{key: getattr(s, key) for key in _ROPE_KEYS[s.rope_type] if getattr(s, key) is not None}}
 
 
-def _check_rope_scaling(a: ArchConfig, hf_arch: dict, hf_config: Path, source: str) -> None:
+def _check_rope_scaling(a: ArchConfig, hf_arch: dict[str, Any], hf_config: Path, source: str) -> None:
     """``model.arch.rope_scaling`` against the folder's (floats within 1e-6 relative; llama3's original
     positions as each side resolves them)."""
     ours, theirs = a.rope_scaling, hf_arch.get("rope_scaling")
     types = [f"rope_type {s['rope_type']!r}" if s else "none (plain RoPE)" for s in (ours and vars(ours), theirs)]
     require(types[0] == types[1], source, "model.arch.rope_scaling", f"{types[0]} disagrees with {hf_config} ({types[1]})")
-    if ours is None:
+    if ours is None or theirs is None:  # (both None, or the types disagreed: refused above)
         return
     for name in ("factor", "low_freq_factor", "high_freq_factor"):
         mine, hers = getattr(ours, name), theirs.get(name)
@@ -144,7 +144,7 @@ def _check_rope_scaling(a: ArchConfig, hf_arch: dict, hf_config: Path, source: s
                 f"{a.rope_original_positions} disagrees with {hf_config} ({hers})")
 
 
-def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
+def check_against_hf_config(cfg: Any, source: str) -> None:  # (cfg: a RunConfig)
     """When the model folder exists, its config.json must agree with ``model.arch``."""
     hf_config = Path(cfg.model.path) / "config.json"
     if not hf_config.is_file():
@@ -171,7 +171,7 @@ def check_against_hf_config(cfg, source: str) -> None:  # (cfg: a RunConfig)
     _check_rope_scaling(a, hf_arch, hf_config, source)
 
 
-def hf_shape(model_path: str | Path) -> dict:
+def hf_shape(model_path: str | Path) -> dict[str, int]:
     """What sizing an engine's buffers needs of the model in ``model_path``: layers, heads, KV heads,
     head width and vocabulary (any model SGLang serves: the family is not checked here)."""
     hf = read_hf_config(model_path)

@@ -33,21 +33,21 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> RunC
     for item in overrides or []:
         _apply_override(raw, item)
     cfg = config_from_dict(raw, str(path))
-    cfg.config_path = str(path)
+    cfg.config_path = str(path)  # type: ignore[misc]  # (an attribute outside the fields: not in to_dict)
     return cfg
 
 
-def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Build and validate a config from its YAML tree; ``model.arch`` fields left out are read from the
     model folder's config.json (:func:`fill_arch_from_folder`)."""
     from_folder = fill_arch_from_folder(raw, source)
-    cfg = _build(RunConfig, raw, "", source)
-    cfg.arch_from_folder = from_folder
+    cfg: RunConfig = _build(RunConfig, raw, "", source)
+    cfg.arch_from_folder = from_folder  # type: ignore[misc]  # (outside the fields, as config_path)
     validate(cfg, source)
     return cfg
 
 
-def _apply_override(raw: dict, item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.iterations=5")
     key, value = item.split("=", 1)
@@ -92,8 +92,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: expected a mapping (section), got {value!r}")
-        return _build(tp, value, key + ".", source)
-    if tp is dict:
+        return _build(typing.cast(type, tp), value, key + ".", source)
+    if tp is dict or typing.get_origin(tp) is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
         return dict(value)
@@ -108,7 +108,7 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
 
 
-def _build(cls: type, raw: dict, prefix: str, source: str) -> Any:
+def _build(cls: type, raw: dict[str, Any], prefix: str, source: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:

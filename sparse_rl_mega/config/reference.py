@@ -43,7 +43,7 @@ def field_comments(cls: type) -> dict[str, str]:
         name = stripped.split(":", 1)[0].strip()
         if name not in names or name in found or not line.startswith("    ") or line.startswith("     "):
             continue
-        above = []
+        above: list[str] = []
         previous = number - 1
         while previous >= 1 and lines[previous - 1].strip().startswith("#"):
             above.insert(0, comments_by_line.get(previous, ""))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from sparse_rl_mega.config.algorithm import LOG_RHO_QUANTILES
 from sparse_rl_mega.config.errors import ConfigError, require
-from sparse_rl_mega.kv.base import PolicyError
+from sparse_rl_mega.kv.base import EvictionPolicy, PolicyError
 from sparse_rl_mega.kv.engine_settings import EngineKVSettings, tp_split_problem
 from sparse_rl_mega.kv.registry import NO_POLICY, build_policy, policy_class, policy_names, resolve_params
 
@@ -31,7 +31,10 @@ class AutoBudgetConfig:
 
     @property
     def step_up(self) -> int:
-        return self.increase if self.increase is not None else max(1, math.ceil((self.max - self.min) / 3))
+        if self.increase is not None:
+            return self.increase
+        assert self.min is not None and self.max is not None, "set: validate_auto_budget requires both"
+        return max(1, math.ceil((self.max - self.min) / 3))
 
     @property
     def step_down(self) -> int:
@@ -61,16 +64,17 @@ class KVCompressionConfig:
     trigger: Literal["length", "newline"] = "length"
     # the policy's own parameters; a dense run's (or another policy's) evaluation under compression takes
     # those its policy has
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
     # set: the budget follows the measured mismatch within [min, max], starting at ``budget``
     auto_budget: Optional[AutoBudgetConfig] = None
 
     @property
     def largest_budget(self) -> int:
         """The most a rollout's request may keep: what engines and memory are sized for."""
-        return self.auto_budget.max if self.auto_budget is not None else self.budget
+        auto = self.auto_budget
+        return auto.max if auto is not None and auto.max is not None else self.budget
 
-    def policy_params(self, policy: Optional[str] = None) -> dict:
+    def policy_params(self, policy: Optional[str] = None) -> dict[str, Any]:
         """Every parameter of ``policy`` (default: this section's): its defaults, overridden by those of
         ``params`` it takes (each must be some registered policy's: ``validate``)."""
         name = policy or self.policy
@@ -79,7 +83,7 @@ class KVCompressionConfig:
         taken = policy_class(name).param_names()
         return resolve_params(name, {key: value for key, value in self.params.items() if key in taken})
 
-    def build_policy(self, policy: Optional[str] = None):
+    def build_policy(self, policy: Optional[str] = None) -> EvictionPolicy:
         """The policy object of ``policy`` (default: this section's) with these settings; a bad setting
         raises ``PolicyError`` naming its key."""
         return build_policy(policy or self.policy, sink=self.sink, window=self.window, selection=self.selection,
@@ -138,7 +142,7 @@ def policy_param_names() -> set[str]:
     return {name for policy in policy_names() for name in policy_class(policy).param_names()}
 
 
-def validate_kv(cfg, source: str) -> None:  # (cfg: a RunConfig, whose module imports this one)
+def validate_kv(cfg: Any, source: str) -> None:  # (cfg: a RunConfig, whose module imports this one)
     """``rollout.kv_compression``: its policy and parameters, checked by the policy class itself. Each
     of ``params`` must be a parameter of some registered policy; the policy takes those it has (one
     section serves a comparison of policies by ``--set rollout.kv_compression.policy=...``, and a dense
@@ -165,9 +169,11 @@ def validate_kv(cfg, source: str) -> None:  # (cfg: a RunConfig, whose module im
 
 def validate_auto_budget(kv: KVCompressionConfig, source: str) -> None:
     auto, key = kv.auto_budget, "rollout.kv_compression.auto_budget"
+    assert auto is not None  # (validate_kv calls this when the section is set)
     for bound in ("min", "max"):
         require(getattr(auto, bound) is not None, source, f"{key}.{bound}",
                 "required: the automatic budget stays within [min, max]")
+    assert auto.min is not None and auto.max is not None  # (refused above otherwise)
     try:
         kv.build_policy().check_budget(auto.min)
     except PolicyError as exc:

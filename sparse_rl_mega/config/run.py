@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from sparse_rl_mega.config.algorithm import AlgorithmConfig
 from sparse_rl_mega.config.model import ModelConfig, ParallelConfig
@@ -168,5 +168,5 @@ class RunConfig:
     def optimizer_steps_per_iteration(self) -> int:
         return self.samples_per_iteration // self.trainer.global_batch_size
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

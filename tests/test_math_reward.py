@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from sparse_rl_mega.config import ConfigError, RewardConfig, load_config
 from sparse_rl_mega.reward import build_scorer, extract_answer, extract_label, math_reward
-from sparse_rl_mega.reward.scorer import ExactAnswerScorer, MathScorer
+from sparse_rl_mega.reward.scorer import WORKER_STARTUP_S, ExactAnswerScorer, MathScorer
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 1.0   # per-check limit of the test scorer (the default is 2 s)
@@ -302,6 +302,100 @@ def test_workers_die_with_their_parent(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids)
+
+
+USER_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    print("body", __name__, os.getpid(), flush=True)
+    from sparse_rl_mega.reward import math_reward
+    if __name__ == "__main__":
+        print("answers", math_reward("so $\\\\boxed{\\\\frac{1}{2}}$", "0.5"), math_reward("$\\\\boxed{x^2+1}$", "1+x^2"),
+              flush=True)
+        time.sleep(600)  # (stopped by SIGTERM, its workers alive)
+""")
+
+
+def _processes_running(name: str) -> list[int]:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if any(name in part for part in process.info["cmdline"] or []):
+            found.append(process.info["pid"])
+    return found
+
+
+@pytest.mark.parametrize("spelling", ["dotdot", "symlink", "relative", "module"])
+def test_a_users_script_scores_once_and_leaves_nothing_whatever_its_path(tmp_path, spelling):
+    """math_reward from a script of one's own, started by a path with ``..``, through a symlinked folder,
+    by a relative path and with ``python -m``: it answers, its body runs once (the warm server's workers
+    never run it again as ``__mp_main__``: runtime/warm_fork.py, the main module's spelling), and SIGTERM
+    to it leaves no process of it (the server and workers share its command line)."""
+    name = f"user_check_{spelling}"
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "dir" / f"{name}.py").write_text(USER_SCRIPT)
+    (tmp_path / "linked").symlink_to(tmp_path / "dir")
+    command, cwd = {
+        "dotdot": ([str(tmp_path / "other" / ".." / "dir" / f"{name}.py")], ROOT),
+        "symlink": ([str(tmp_path / "linked" / f"{name}.py")], ROOT),
+        "relative": ([f"../dir/{name}.py"], tmp_path / "other"),
+        "module": (["-m", f"dir.{name}"], tmp_path),
+    }[spelling]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, *command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 90  # (it answers in ~2 s; a worker that runs the script again waits 120 s)
+        while not any(line.startswith("answers") for line in lines) and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        assert [line.split()[:2] for line in lines] == [["body", "__main__"], ["answers", "1.0"]], (
+            lines, proc.stderr.read() if proc.poll() is not None else "")
+        assert lines[1].split()[2] == "1.0"
+        assert len(_processes_running(name)) >= 3  # the script, its warm server, 2 workers (forked: same command)
+        proc.terminate()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _processes_running(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_running(name) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+
+
+def test_a_worker_that_cannot_start_is_one_line_at_once(tmp_path):
+    """A worker whose start fails (a planted import error in its entry point) ends the scoring call with
+    one line naming its exit status, as soon as it dies (not after WORKER_STARTUP_S of silence)."""
+    script = tmp_path / "broken_worker.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import sparse_rl_mega.reward.math_worker as math_worker
+        from sparse_rl_mega.reward import math_reward
+
+        def broken(*args, **kwargs):
+            raise ImportError("planted: No module named 'math_verify_planted'")
+
+        math_worker.serve_items = broken
+        if __name__ == "__main__":
+            started = time.monotonic()
+            try:
+                math_reward("$\\\\boxed{x^2+1}$", "1+x^2")
+            finally:
+                print(f"after {time.monotonic() - started:.1f}", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 1
+    assert "ImportError: planted" in proc.stderr  # (the worker's own report, as a fresh interpreter's)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: math reward worker exited with code 1 during startup (its stderr is above); is math-verify "
+        "installed?")
+    assert float(proc.stdout.split()[-1]) < 0.25 * WORKER_STARTUP_S  # (at its death, not at the startup bound)
 
 
 # ----------------------------------------------------------------------------- config

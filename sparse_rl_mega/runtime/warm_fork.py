@@ -205,12 +205,28 @@ def _fork_server() -> None:
         try:
             os.close(alive_w)
             _forget_server()  # (its children start with no server of their own: they may make one)
+            _main_file_as_children_are_told()
             _serve(listener.fileno(), alive_r, caller)
         finally:
             os._exit(0)
     os.close(alive_r)
     listener.close()
     _record(address, alive_w, pid)
+
+
+def _main_file_as_children_are_told() -> None:
+    """(In a forked server) the caller's main module's ``__file__`` spelled as multiprocessing names it to
+    each child (``spawn.get_preparation_data``: joined to the start folder, then ``normpath``). A child
+    that finds another spelling of the same file in its ``__main__`` (``python dir/../x.py``, ``./x.py``)
+    runs the caller's script again as ``__mp_main__`` (``spawn._fixup_main_from_path``); the server
+    already holds that module."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:  # (-m: by name)
+        return
+    if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR is not None:
+        path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)
+    main.__file__ = os.path.normpath(path)
 
 
 def _forget_server() -> None:

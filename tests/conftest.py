@@ -346,18 +346,28 @@ def _module(nodeid: str) -> str:
 #   unit    pure modules and pure tests (no SGLang engine, no torchrun): under a minute in all
 #   engine  starts a real SGLang engine in the test process
 #   launch  runs torchrun sessions or whole training launches (tools/launch.py and the tools around it)
-# A module's tier comes from this table; a pure test in a heavier module carries @pytest.mark.unit.
+# A module's tier comes from this table, where every module must be (a new one is refused at collection,
+# rather than landing in the slowest tier unseen); a pure test in a heavier module carries @pytest.mark.unit.
 UNIT_MODULES = ("test_config", "test_context_parallel", "test_correction", "test_cpu_shims", "test_data_math",
                 "test_data_reward", "test_gpu", "test_hf_map", "test_kv_policies", "test_math_reward",
                 "test_scale_config", "test_tracking", "test_preflight", "test_console", "test_checkpoint_files",
-                "test_watchdog", "test_weight_push", "test_sglang_internals", "test_auto_budget", "test_layers")
+                "test_watchdog", "test_weight_push", "test_sglang_internals", "test_auto_budget", "test_layers",
+                "test_cadence")
 ENGINE_MODULES = ("test_engine_kv", "test_engine_triton", "test_engine_retraction", "test_evaluate")
+LAUNCH_MODULES = ("test_ablation", "test_e2e", "test_export_hf", "test_layout_invariance", "test_learner",
+                  "test_multinode", "test_overlap", "test_planner", "test_reliability", "test_resume", "test_tools",
+                  "test_warm_fork")
 TIERS = ("unit", "engine", "launch")
 
 
 def _tier(module: str) -> str:
     name = Path(module).stem
-    return "unit" if name in UNIT_MODULES else "engine" if name in ENGINE_MODULES else "launch"
+    for tier, names in zip(TIERS, (UNIT_MODULES, ENGINE_MODULES, LAUNCH_MODULES)):
+        if name in names:
+            return tier
+    raise pytest.UsageError(f"{module} is in no test tier: add {name!r} to UNIT_MODULES (no engine, no torchrun), "
+                            "ENGINE_MODULES (starts an SGLang engine) or LAUNCH_MODULES (torchrun or launches) in "
+                            "tests/conftest.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest without xdist (e.g. tools/gpu_check.sh) ignores it
@@ -381,8 +391,9 @@ def pytest_collection_modifyitems(config, items):
         if "e2e_run" in getattr(item, "fixturenames", ()) and module not in E2E_READERS:
             raise pytest.UsageError(f"{module} reads e2e_run: add it to E2E_READERS in tests/conftest.py")
 
-        if not any(item.get_closest_marker(tier) for tier in TIERS):
-            item.add_marker(_tier(module))
+        tier = _tier(module)  # (also for a module whose tests all carry a tier of their own)
+        if not any(item.get_closest_marker(name) for name in TIERS):
+            item.add_marker(tier)
 
     def rank(item) -> int:
         module = _module(item.nodeid)

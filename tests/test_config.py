@@ -199,7 +199,7 @@ def test_a_policy_of_another_package_is_configured_planned_and_checked(tmp_path)
 def test_dry_run_says_how_rollouts_sample():
     """--dry-run's sampling line: the temperature the learner divides by, the truncation and the support
     it carries (bounded by top_k; top-p alone can carry the whole vocabulary per token)."""
-    from tools.launch import sampling_line
+    from sparse_rl_mega.cli.describe import sampling_line
 
     assert sampling_line(load_config(CPU_TINY).rollout) == "temperature 1"
     both = load_config(CPU_TINY, ["rollout.temperature=0.6", "rollout.top_k=5", "rollout.top_p=0.7"]).rollout

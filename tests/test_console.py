@@ -47,7 +47,7 @@ def test_mlflow_run_is_named_after_what_ran_and_says_how_to_open_it(tmp_path, mo
 
 
 def test_the_stop_line_names_the_checkpoint_resume_would_use(tmp_path):
-    from tools.launch import resume_hint
+    from sparse_rl_mega.cli.describe import resume_hint
 
     from sparse_rl_mega.runtime.checkpoint_files import MARKER
 

@@ -28,7 +28,7 @@ import pytest
 
 from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import ROOT, write_test_config
-from tools.launch import free_port
+from sparse_rl_mega.runtime.ports import free_port
 
 ITERATIONS = 1
 

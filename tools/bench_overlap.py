@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
     """Every metric of the run folder's MLflow store, by iteration (0-based)."""
-    from tools.chaos import metrics_by_iteration
+    from sparse_rl_mega.train.run_records import metrics_by_iteration
 
     return metrics_by_iteration(run_dir, skip=())
 

@@ -50,11 +50,11 @@ if str(ROOT) not in sys.path:
 
 from sparse_rl_mega.config import load_config_or_exit  # noqa: E402
 from sparse_rl_mega.runtime.faults import FAULT_ENV, TRACKING_SERVER_PID_ENV, Fault, parse_faults  # noqa: E402
+from sparse_rl_mega.train.run_records import compare, final_state, metrics_by_iteration  # noqa: E402
 
 TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1", "kill-launcher",
            "full-disk", "corrupt-checkpoint", "kill-tracking"]
 PHASES = ["rollout", "train", "push", "checkpoint"]
-NOT_COMPARED = ("time/", "engine/restarts", "sync/pre_sync_")
 HANG_TIMEOUT_S = 10  # rollout.engine_timeout_s in the trials: a stopped engine is found within this
 WATCHDOG_FLOOR_S = 10  # trainer.watchdog_floor_s in the trials: a stopped learner rank is found within about this
 
@@ -212,76 +212,6 @@ def left_behind(run_dir: Path, wait_s: float = 15.0) -> list[int]:
         except ProcessLookupError:
             pass
     return leftovers
-
-
-def final_state(run_dir: Path, iterations: int) -> dict:
-    """Every tensor of the final checkpoint (model and optimizer), read in this process."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    checkpoint = run_dir / "checkpoints" / f"iter_{iterations:07d}"
-    if not checkpoint.is_dir():
-        return {}
-    whole = run_dir / "final_state.pt"
-    dcp_to_torch_save(checkpoint, whole)
-    state = torch.load(whole, weights_only=False)
-    whole.unlink()
-    flat: dict = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}{key}.", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}{i}.", item)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix[:-1]] = value
-    walk("", state)
-    return flat
-
-
-def metrics_by_iteration(run_dir: Path, skip: tuple[str, ...] = NOT_COMPARED) -> dict[int, dict[str, float]]:
-    """The last value logged for each metric at each step, over every run in the store; metrics whose
-    name starts with one of ``skip`` (default: the ones chaos does not compare) are left out."""
-    import mlflow
-
-    from sparse_rl_mega.train.tracking import default_tracking_uri
-
-    client = mlflow.MlflowClient(tracking_uri=default_tracking_uri(run_dir))
-    out: dict[int, dict[str, float]] = {}
-    experiments = client.search_experiments()
-    runs = client.search_runs([e.experiment_id for e in experiments], order_by=["attributes.start_time ASC"])
-    for run in runs:
-        for key in run.data.metrics:
-            if skip and key.startswith(skip):
-                continue
-            for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp):
-                out.setdefault(m.step, {})[key] = m.value
-    return out
-
-
-def compare(reference: tuple, trial: tuple) -> list[str]:
-    """What differs between two (final state, metrics) pairs."""
-    (ref_state, ref_metrics), (state, metrics) = reference, trial
-    import torch
-
-    diffs = []
-    if not state:
-        return ["no final checkpoint"]
-    if state.keys() != ref_state.keys():
-        diffs.append(f"checkpoint keys differ ({len(state)} vs {len(ref_state)})")
-    changed = [k for k in ref_state if k in state and not torch.equal(state[k], ref_state[k])]
-    if changed:
-        diffs.append(f"{len(changed)} checkpoint tensor(s) differ, e.g. {changed[0]}")
-    for step in sorted(ref_metrics):
-        got = metrics.get(step, {})
-        for key, value in ref_metrics[step].items():
-            if key not in got:
-                diffs.append(f"iteration {step + 1}: {key} missing")
-            elif got[key] != value and not (got[key] != got[key] and value != value):  # NaN == NaN here
-                diffs.append(f"iteration {step + 1}: {key} {got[key]!r} vs {value!r}")
-    return diffs
 
 
 def main(argv=None) -> int:

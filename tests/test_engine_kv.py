@@ -13,66 +13,11 @@ import torch
 
 from sparse_rl_mega.rollout import sglang_internals
 from sparse_rl_mega.kv.engine_settings import side_buffer_bytes
-from sparse_rl_mega.kv import build_policy, compression_schedule, replay_compression
+from sparse_rl_mega.kv import compression_schedule, replay_compression
 from sparse_rl_mega.kv.reference_decoder import ReferenceDecoder
 from tests.conftest import ENGINE_KV
+from tests.helpers.engine_cases import POLICY_CASES, TOL, check_samples, policy_of
 from tests.helpers.engine_push import DirectPush
-
-# The engine (SGLang's torch_native attention, float32) against the reference decoder (transformers, float32):
-# two float32 forward passes of the tiny model. Their worst-case rounding bound (2 x gamma_n x max|logit|,
-# n ~ 1.9e3 reductions: ~7e-3; tests/helpers/float_bounds.py) is looser than the eviction effects these
-# tests must see (a kept set changes logprobs by > 1e-3), so this bound is the other kind: >= 10x the
-# largest spread measured across kernels (ATEN_CPU_CAPABILITY default / avx2, 1 and 2 threads, and MKL's
-# instruction sets; docs/testing.md), and 10x below the smallest eviction effect checked.
-TOL = 1e-4
-POLICY_CASES = {
-    "streaming": {"policy": "streaming"},
-    "snapkv": {"policy": "snapkv", "params": {"kernel": 3, "pool": "max"}},
-    "snapkv-per-head": {"policy": "snapkv", "selection": "per_head", "params": {"kernel": 3, "pool": "avg",
-                                                                                "gqa_pool": "mean"}},
-    "rkv": {"policy": "rkv", "params": {"kernel": 3, "lam": 0.1, "similarity_threshold": 0.5}},
-    "rkv-per-head": {"policy": "rkv", "selection": "per_head",
-                     "params": {"kernel": 3, "lam": 0.5, "similarity_threshold": 0.3}},
-    # the paper's release: one set per request for every layer, from the first layer's scores (no K/V copies)
-    "rkv-shared": {"policy": "rkv", "selection": "shared", "sink": 0},
-    "snapkv-shared-layer-sum": {"policy": "snapkv", "selection": "shared", "shared_scores": "layer_sum"},
-    # requests reaching the trigger together scored one at a time (a 1-byte scoring workspace)
-    "rkv-chunked": {"policy": "rkv", "scoring_workspace_bytes": 1},
-    "rkv-shared-chunked": {"policy": "rkv", "selection": "shared", "scoring_workspace_bytes": 1},
-    "h2o": {"policy": "h2o"},
-    "h2o-per-head": {"policy": "h2o", "selection": "per_head"},
-    "h2o-shared": {"policy": "h2o", "selection": "shared"},
-    # interval > window: the engine adds H2O's attention mass when its query ring fills, between compressions
-    "h2o-interval-7": {"policy": "h2o", "interval": 7},
-    # a policy of another package (tests/plugins), registered by its entry point in the scheduler too
-    "keynorm": {"policy": "keynorm", "params": {"power": 1}},
-}
-
-
-def _policy(case):
-    return build_policy(case["policy"], sink=case.get("sink", ENGINE_KV["sink"]), window=ENGINE_KV["window"],
-                        selection=case.get("selection", "per_layer"),
-                        shared_scores=case.get("shared_scores", "first_layer"), **case.get("params", {}))
-
-
-def _check_samples(samples, hf_model, case, record_property):
-    ref = ReferenceDecoder(hf_model)
-    evicted_total = 0
-    for s in samples:
-        evicted_logp, evicted = ref.logprobs(s.prompt_ids, s.response_ids, _policy(case), ENGINE_KV["budget"],
-                                             case.get("interval", ENGINE_KV["interval"]))
-        assert len(evicted_logp) == len(s.logp_sparse)
-        gap = max(abs(a - b) for a, b in zip(evicted_logp, s.logp_sparse))
-        record_property("max_abs_logprob_gap", gap)  # (--junitxml: the spread across CPUs, docs/testing.md)
-        assert gap < TOL, (case, gap)
-        if evicted:  # eviction changed the sampler: the dense policy disagrees somewhere
-            dense_logp, _ = ref.logprobs(s.prompt_ids, s.response_ids)
-            effect = max(abs(a - b) for a, b in zip(dense_logp, s.logp_sparse))
-            record_property("eviction_effect", effect)
-            assert effect > 10 * TOL
-        evicted_total += evicted
-    return evicted_total
-
 
 @pytest.mark.parametrize("name", list(POLICY_CASES))
 def test_single_request_matches_reference(evicting_engine, hf_model, name, record_property):
@@ -81,10 +26,10 @@ def test_single_request_matches_reference(evicting_engine, hf_model, name, recor
     samples = evicting_engine.generate([prompt], n_samples=1, max_new_tokens=24, seed=11,
                                        kv_override=POLICY_CASES[name], ignore_eos=True)
     after = evicting_engine.kv_stats()
-    assert _check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0, "budget below the length must evict"
+    assert check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0, "budget below the length must evict"
     # one set for every layer compacts the row; a set per layer or head copies K/V into owned slots
     copied = after["copied_tokens"] - before["copied_tokens"]
-    assert copied == 0 if _policy(POLICY_CASES[name]).shared else copied > 0, copied
+    assert copied == 0 if policy_of(POLICY_CASES[name]).shared else copied > 0, copied
 
 
 def test_evaluate_runs_the_release_rkv_it_is_given(evicting_engine, hf_model, tiny_model_dir, record_property):
@@ -100,7 +45,7 @@ def test_evaluate_runs_the_release_rkv_it_is_given(evicting_engine, hf_model, ti
     samples = evicting_engine.generate([[5, 17, 42, 99, 100, 7, 8, 9, 11, 12]], n_samples=1, max_new_tokens=24,
                                        seed=11, kv_override=override, ignore_eos=True)
     release = {"policy": "rkv", "selection": "shared", "sink": 0, "params": {"kernel": 7, "lam": 0.1}}
-    assert _check_samples(samples, hf_model, release, record_property) > 0
+    assert check_samples(samples, hf_model, release, record_property) > 0
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +81,7 @@ def test_tp2_engine_keeps_what_one_rank_would(tp2_engine, hf_model, name, record
     other tokens: a choice from its own head)."""
     samples = tp2_engine.generate([list(range(30, 46)), [5, 17, 42, 99, 100, 7, 8]], n_samples=2, max_new_tokens=20,
                                   seed=3, kv_override=POLICY_CASES[name], ignore_eos=True)
-    assert _check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0
+    assert check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0
 
 
 def test_tp2_engine_takes_broadcast_weights(tp2_engine, tiny_model_dir, hf_model):
@@ -189,7 +134,7 @@ def test_group_sharing_a_cached_prompt_matches_reference(evicting_engine, hf_mod
                                        kv_override=POLICY_CASES[name], ignore_eos=True)
     after = evicting_engine.kv_stats()
     assert all(s.cached_tokens >= len(prompt) - 1 for s in samples)  # the shared prompt is a cache hit
-    assert _check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0
+    assert check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0
     assert after["dropped_shared_slots"] > before["dropped_shared_slots"]  # skipped, not freed
 
 
@@ -201,7 +146,7 @@ def test_per_request_compression_counts_follow_from_lengths(evicting_engine, nam
     samples = evicting_engine.generate([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]], n_samples=2,
                                        max_new_tokens=33, seed=4, kv_override=case, ignore_eos=True)
     after = evicting_engine.kv_stats()
-    needed = _policy(case).min_decode_queries
+    needed = policy_of(case).min_decode_queries
     replayed = [replay_compression(len(s.prompt_ids), len(s.response_ids), ENGINE_KV["budget"],
                                    ENGINE_KV["interval"], needed) for s in samples]
     assert sum(r.compressions for r in replayed) == after["compactions"] - before["compactions"] > 0
@@ -221,10 +166,10 @@ def test_newline_trigger_compresses_at_line_ends(evicting_engine, hf_model, name
                                        kv_override=case, ignore_eos=True)
     after = evicting_engine.kv_stats()
     ref = ReferenceDecoder(hf_model)
-    needed = _policy(case).min_decode_queries
+    needed = policy_of(case).min_decode_queries
     with_newlines = length_only = 0
     for s in samples:
-        logp, _ = ref.logprobs(s.prompt_ids, s.response_ids, _policy(case), ENGINE_KV["budget"],
+        logp, _ = ref.logprobs(s.prompt_ids, s.response_ids, policy_of(case), ENGINE_KV["budget"],
                                ENGINE_KV["interval"], newline_token_ids=line_ends)
         assert max(abs(a - b) for a, b in zip(logp, s.logp_sparse)) < TOL
         newline_at = [t in line_ends for t in s.response_ids]
@@ -282,7 +227,7 @@ def test_truncated_sampling_reports_the_distribution_it_drew_from(evicting_engin
                                        max_new_tokens=20, temperature=temperature, top_p=top_p, top_k=top_k, seed=21,
                                        kv_override=case, ignore_eos=True, report_support=True)
     ref = ReferenceDecoder(hf_model)
-    policy = None if name == "dense" else _policy(case)
+    policy = None if name == "dense" else policy_of(case)
     sizes, cut_mass = [], 0.0
     for s in samples:
         logits, _ = ref.logits(s.prompt_ids, s.response_ids, policy, ENGINE_KV["budget"], ENGINE_KV["interval"])
@@ -418,7 +363,7 @@ def test_a_request_paused_by_a_weight_push_resumes_as_the_reference_replays_it(e
     assert engine.pause(kv) == 0  # nothing in flight: nothing to pause
 
     reference, reference_new = ReferenceDecoder(hf_model), ReferenceDecoder(moved)
-    policy, budget, interval = _policy(case), ENGINE_KV["budget"], ENGINE_KV["interval"]
+    policy, budget, interval = policy_of(case), ENGINE_KV["budget"], ENGINE_KV["interval"]
     for s in samples:
         n = s.token_versions.count(old)
         assert 0 < n < len(s.response_ids) == 300 and s.token_versions == [old] * n + [new] * (300 - n), \

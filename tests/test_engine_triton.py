@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import ENGINE_KV
 from sparse_rl_mega.kv import replay_compression
-from tests.test_engine_kv import POLICY_CASES, _check_samples, _policy
+from tests.helpers.engine_cases import POLICY_CASES, check_samples, policy_of
 
 POLICIES = ["streaming", "snapkv", "snapkv-shared-layer-sum", "rkv", "rkv-shared", "h2o", "h2o-shared"]
 
@@ -68,11 +68,11 @@ def test_every_policy_on_triton_matches_the_reference_and_reads_only_kept_slots(
     decode_steps = sum(len(s.response_ids) - 1 for samples in results.values() for s in samples)
     assert report["backend_rows"] == report["checked_rows"] == decode_steps, report
     for (name, kind), samples in results.items():
-        assert _check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0, (name, kind)
+        assert check_samples(samples, hf_model, POLICY_CASES[name], record_property) > 0, (name, kind)
         if kind == "group":
             assert all(s.cached_tokens >= len(group_prompt) - 1 for s in samples), name  # a cache hit
     replayed = [replay_compression(len(s.prompt_ids), len(s.response_ids), ENGINE_KV["budget"], ENGINE_KV["interval"],
-                                   _policy(POLICY_CASES[name]).min_decode_queries).compressions
+                                   policy_of(POLICY_CASES[name]).min_decode_queries).compressions
                 for (name, _), samples in results.items() for s in samples]
     assert sum(replayed) == after["compactions"] - before["compactions"] and min(replayed) >= 3, replayed
     assert after["dropped_shared_slots"] > before["dropped_shared_slots"]  # shared prompt slots skipped

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import ROOT, TRAIN_DATA, run_tool, write_test_config
 from sparse_rl_mega.config import load_config
-from tools.ablation import (CURVES, base_variant, held_out, plan, plot_budget_map, ratio_with_stderr, summarize,
-                           variant_overrides)
+from sparse_rl_mega.studies.statistics import base_variant, held_out, ratio_with_stderr, summarize
+from tools.ablation import CURVES, plan, plot_budget_map, variant_overrides
 
 # one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
 ONE_PROCESS = ["--set", "checkpoint.save_interval=0", "--set", "parallel.nproc_per_node=1",
@@ -85,7 +85,8 @@ def test_seeds_run_every_variant_per_seed_and_pair_each_with_its_own_dense(tmp_p
     """--seeds: one run per variant and seed (seed after seed), trainer.seed and data.seed set; each
     seed's held-out ratio is against the dense run of the same seed; the summary's means over seeds and
     their standard error across seeds, computed here by hand; a bad --seeds is one line."""
-    from tools.ablation import over_seeds, parse_seeds
+    from sparse_rl_mega.studies.statistics import over_seeds
+    from tools.ablation import parse_seeds
 
     config = write_test_config(tmp_path / "s.yaml", tiny_model_dir, tmp_path / "run",
                                f"eval: {{path: {TRAIN_DATA}, kv: dense}}")
@@ -121,7 +122,7 @@ def test_training_metrics_over_seeds():
     """The summary's training table over seeds: per variant, each metric's mean and its standard error
     across seeds (by hand: k3 0.2 and 0.4 -> 0.300 +- 0.100), a metric one seed did not log (NaN) left
     out of its mean, runs without a seed not merged; a dense run's peak KV is all of dense."""
-    from tools.ablation import training_over_seeds
+    from sparse_rl_mega.studies.statistics import training_over_seeds
 
     rows = [{"variant": "naive_s1", "iterations": 3, "k3_mean": 0.2, "veto_mean": float("nan")},
             {"variant": "naive_s2", "iterations": 3, "k3_mean": 0.4, "veto_mean": 0.5},
@@ -140,7 +141,8 @@ def test_seeded_runs_are_drawn_as_their_mean_over_seeds(tmp_path):
     apart only when no run has one), at each iteration the mean over the seeds that logged it and the
     standard error across them (by hand: 0.2 and 0.4 -> 0.3 +- 0.1; a step one seed lacks: that seed's
     value alone, s.e. 0); the figure is written."""
-    from tools.ablation import mean_curve, plot, plot_groups
+    from sparse_rl_mega.studies.statistics import mean_curve, plot_groups
+    from tools.ablation import plot
 
     assert plot_groups({"naive_s1": {}, "dense_s1": {}, "naive_s2": {}}) == {"naive": ["naive_s1", "naive_s2"],
                                                                           "dense": ["dense_s1"]}

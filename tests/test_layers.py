@@ -18,7 +18,8 @@ LAYERS = (
     ("sparse_rl_mega.learner", "sparse_rl_mega.models"),  # Megatron-Core; the tiny model built locally
     ("sparse_rl_mega.rollout",),  # SGLang engines, weight pushes, overlapped rollouts; the SGLang boundary
     ("sparse_rl_mega.train", "sglang_patches"),  # the loop; the plugin inside SGLang's processes
-    ("sparse_rl_mega.cli",),  # what tools/ uses beside the loop: pre-flight, planner, launches
+    ("sparse_rl_mega.cli", "sparse_rl_mega.studies"),  # what tools/ uses beside the loop: pre-flight, planner,
+    # launches; a study's statistics over several runs
 )
 MAX_LINES = 500
 LONGER_ALLOWED = {"sparse_rl_mega.rollout.sglang_internals"}  # the SGLang boundary: every private access in one place

@@ -1,0 +1,1 @@
+"""Studies over several runs (ablations, budget maps): their statistics."""

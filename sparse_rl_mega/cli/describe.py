@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from sparse_rl_mega.cli.planner import engine_settings
 from sparse_rl_mega.config import RunConfig
+from sparse_rl_mega.config.rollout import RolloutConfig
 from sparse_rl_mega.kv.engine_settings import cuda_graphs_allowed
 from sparse_rl_mega.kv.registry import policy_class
 from sparse_rl_mega.runtime.checkpoint_files import checkpoint_folder, find_checkpoint
 
 
-def sampling_line(r) -> str:
+def sampling_line(r: RolloutConfig) -> str:
     """The rollout's sampling distribution, and what the learner does to recompute it."""
     truncation = ", ".join(part for part in (f"top_k {r.top_k}" if r.top_k > 0 else "",
                                              f"top_p {r.top_p:g}" if r.top_p < 1 else "") if part)

@@ -5,9 +5,13 @@ run's name to ``{"curves": {metric: {step: value}}, "eval": [evaluation, ...]}``
 them from MLflow and the run folders)."""
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 from sparse_rl_mega.train.evaluation import mean_stderr
+
+Row = dict[str, Any]  # a table row: a variant (and setting) and its figures
+Runs = dict[str, dict[str, Any]]  # run name -> {"curves": ..., "eval": [...]}
 
 
 def split_seed(name: str) -> tuple[str, Optional[int]]:
@@ -28,7 +32,7 @@ def metric_name(label: str) -> str:
     return label.replace(":", "_")
 
 
-def _mean(values) -> float:
+def _mean(values: Iterable[float]) -> float:
     values = list(values)
     return sum(values) / len(values) if values else float("nan")
 
@@ -48,7 +52,7 @@ def ratio_with_stderr(numerator: list[float], denominator: list[float]) -> tuple
     return ratio, (variance / n) ** 0.5 / mean_y
 
 
-def per_problem(evaluation: dict, label: str) -> list[float]:
+def per_problem(evaluation: Row, label: str) -> list[float]:
     """Per-problem accuracy (correct / samples) of one evaluation entry."""
     row = evaluation["results"][label]
     return [c / row["samples_per_problem"] for c in row["correct_per_problem"]]
@@ -62,7 +66,7 @@ def difference_with_stderr(x: list[float], y: list[float]) -> tuple[float, float
     return sum(diffs) / len(diffs), mean_stderr(diffs)
 
 
-def held_out(data: dict[str, dict]) -> list[dict]:
+def held_out(data: Runs) -> list[Row]:
     """Per variant and KV setting of its last evaluation: accuracy before and after with standard
     errors, the ratio to the dense variant's accuracy under the same setting (paired over problems)
     and the drop from the variant's own dense decoding (dense minus this setting)."""
@@ -90,9 +94,9 @@ def held_out(data: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def _seed_groups(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
+def _seed_groups(rows: list[Row], *fields: str) -> dict[tuple[Any, ...], list[Row]]:
     """The rows of seeded runs grouped by (variant without its seed, *the rows' ``fields``)."""
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple[Any, ...], list[Row]] = {}
     for row in rows:
         base, seed = split_seed(row["variant"])
         if seed is not None:
@@ -100,7 +104,7 @@ def _seed_groups(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-def over_seeds(accuracy: list[dict]) -> list[dict]:
+def over_seeds(accuracy: list[Row]) -> list[Row]:
     """Per variant (seeds merged) and KV setting: the mean over seeds of the held-out accuracy, of the
     ratio to the same seed's dense variant and of the drop from dense decoding, each with its standard
     error across seeds (the spread of training runs; each seed's own s.e. over problems is in the
@@ -117,12 +121,12 @@ def over_seeds(accuracy: list[dict]) -> list[dict]:
     return out
 
 
-def training_over_seeds(rows: list[dict]) -> list[dict]:
+def training_over_seeds(rows: list[Row]) -> list[Row]:
     """Per variant (seeds merged): each training metric of :func:`summarize`'s rows as ``"mean +- s.e."``
     across seeds (a markdown cell). Nothing when no run has a seed."""
     out = []
     for (base,), runs in _seed_groups(rows).items():
-        merged: dict = {"variant": base, "seeds": len(runs)}
+        merged: Row = {"variant": base, "seeds": len(runs)}
         for key, value in runs[0].items():
             if key in ("variant", "iterations") or not isinstance(value, float):
                 continue
@@ -133,7 +137,7 @@ def training_over_seeds(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _table(rows: list[dict]) -> str:
+def _table(rows: list[Row]) -> str:
     keys = list(dict.fromkeys(k for row in rows for k in row))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
@@ -142,7 +146,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
+def summarize(data: Runs) -> tuple[list[Row], list[Row], str]:
     """One row per variant (training metrics), one per variant and KV setting (held-out accuracy),
     and markdown tables of them."""
     rows = []
@@ -180,7 +184,7 @@ def summarize(data: dict[str, dict]) -> tuple[list[dict], list[dict], str]:
     return rows, accuracy, table
 
 
-def plot_groups(data: dict[str, dict]) -> dict[str, list[str]]:
+def plot_groups(data: Runs) -> dict[str, list[str]]:
     """The figure's lines: when any run has a seed, one per variant with its seeds merged
     (``naive_s1``, ``naive_s2`` -> ``naive``), else one per run."""
     if not any(split_seed(name)[1] is not None for name in data):

@@ -5,6 +5,7 @@ called (a tool that only launches runs does not load them)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from sparse_rl_mega.train.tracking import default_tracking_uri
 
@@ -13,7 +14,7 @@ from sparse_rl_mega.train.tracking import default_tracking_uri
 NOT_COMPARED = ("time/", "engine/restarts", "sync/pre_sync_")
 
 
-def final_state(run_dir: Path, iterations: int) -> dict:
+def final_state(run_dir: Path, iterations: int) -> dict[str, Any]:
     """Every tensor of the final checkpoint (model and optimizer), read in this process."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -25,9 +26,9 @@ def final_state(run_dir: Path, iterations: int) -> dict:
     dcp_to_torch_save(checkpoint, whole)
     state = torch.load(whole, weights_only=False)
     whole.unlink()
-    flat: dict = {}
+    flat: dict[str, Any] = {}
 
-    def walk(prefix, value):
+    def walk(prefix: str, value: Any) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
                 walk(f"{prefix}{key}.", item)
@@ -58,7 +59,8 @@ def metrics_by_iteration(run_dir: Path, skip: tuple[str, ...] = NOT_COMPARED) ->
     return out
 
 
-def compare(reference: tuple, trial: tuple) -> list[str]:
+def compare(reference: tuple[dict[str, Any], dict[int, dict[str, float]]],
+            trial: tuple[dict[str, Any], dict[int, dict[str, float]]]) -> list[str]:
     """What differs between two (final state, metrics) pairs."""
     (ref_state, ref_metrics), (state, metrics) = reference, trial
     import torch

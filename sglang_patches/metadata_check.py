@@ -30,8 +30,8 @@ KINDS = ("lengths", "backend", "fa3", "freed")
 class MetadataReport:
     def __init__(self) -> None:
         self.checked_steps = 0
-        self.checked_rows = 0  # request-steps whose kept slots were noted after compression
-        self.backend_rows = 0  # request-steps whose backend indices were compared
+        # request-steps compared with the rows the patch kept: by the decode backend's indices, by fa3's table
+        self.compared_rows = {"backend": 0, "fa3": 0}
         self.mismatches = dict.fromkeys(KINDS, 0)
         self.first_mismatch = ""
 
@@ -40,7 +40,8 @@ class MetadataReport:
         self.first_mismatch = self.first_mismatch or f"{kind}: {what}"
 
     def as_dict(self) -> dict:
-        return {**vars(self), "mismatches": dict(self.mismatches), "triton_interpret": os.environ.get("TRITON_INTERPRET")}
+        return {**vars(self), "mismatches": dict(self.mismatches), "compared_rows": dict(self.compared_rows),
+                "triton_interpret": os.environ.get("TRITON_INTERPRET")}
 
 
 REPORT = MetadataReport()
@@ -88,8 +89,7 @@ def _compare(kind: str, step: sglang.DecodeMetadata, rows: list, expected: list,
     for i, slots in enumerate(rows):
         slots = slots.tolist()
         if expected[i] is not None:
-            REPORT.backend_rows += kind == "backend"
-            REPORT.checked_rows += kind == "fa3"
+            REPORT.compared_rows[kind] += 1
             if slots != expected[i]:
                 REPORT.mismatch(kind, f"row {step.rows[i]} reads {slots}, the patch kept {expected[i]}")
         if free.intersection(slots):

@@ -242,7 +242,8 @@ def test_engine_on_gpu_matches_reference_decoder(tiny_model_dir, hf_model, gpu_e
                 report = engine.internal_state()["sparse_rl_metadata"]
                 print("ENGINE_METADATA " + repr({"asked": attention_backend, **report}))
                 assert sum(report["mismatches"].values()) == 0, report["first_mismatch"]
-                assert report["checked_rows"] > 0 and (report["backend_rows"] > 0) == (backends == ("triton", "triton"))
+                compared = report["compared_rows"]
+                assert compared["fa3"] > 0 and (compared["backend"] > 0) == (backends == ("triton", "triton"))
         finally:
             engine.shutdown()
         for override, policy, samples in runs:

@@ -33,5 +33,15 @@ setup(
     entry_points={
         # Loaded by SGLang's load_plugins() inside every engine process (scheduler included).
         "sglang.srt.plugins": ["sparse_rl_mega_kv = sglang_patches:register"],
+        # The user-facing tools by name, beside their tools/ paths (which the docs use; a multi-node job
+        # is `torchrun ... tools/launch.py`, whose ranks run that script).
+        "console_scripts": [
+            "sparse-rl-launch = sparse_rl_mega.cli.launch:main",
+            "sparse-rl-evaluate = sparse_rl_mega.cli.evaluate:main",
+            "sparse-rl-export-hf = sparse_rl_mega.cli.export_hf:main",
+            "sparse-rl-prepare-data = sparse_rl_mega.cli.prepare_data:main",
+            "sparse-rl-ablation = sparse_rl_mega.studies.ablation:main",
+            "sparse-rl-chaos = sparse_rl_mega.studies.chaos:main",
+        ],
     },
 )

@@ -217,6 +217,7 @@ def run_tool(script: Path, *args, timeout: int = 600, env: Optional[dict] = None
         warm_server()
 
     def call():
+        sys.path.insert(0, str(Path(script).resolve().parent))  # as the interpreter puts the script's folder
         module = runpy.run_path(str(script), run_name=f"tool_{Path(script).stem}")
         return module["main"]([str(a) for a in args])
 

@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import ROOT, TRAIN_DATA, run_tool, write_test_config
 from sparse_rl_mega.config import load_config
 from sparse_rl_mega.studies.statistics import base_variant, held_out, ratio_with_stderr, summarize
-from tools.ablation import CURVES, plan, plot_budget_map, variant_overrides
+from sparse_rl_mega.studies.ablation import plan, variant_overrides
+from sparse_rl_mega.studies.plots import CURVES, plot_budget_map
 
 # one learner process per variant (the layouts are tests/test_layout_invariance.py's; here the variants)
 ONE_PROCESS = ["--set", "checkpoint.save_interval=0", "--set", "parallel.nproc_per_node=1",
@@ -86,7 +87,7 @@ def test_seeds_run_every_variant_per_seed_and_pair_each_with_its_own_dense(tmp_p
     seed's held-out ratio is against the dense run of the same seed; the summary's means over seeds and
     their standard error across seeds, computed here by hand; a bad --seeds is one line."""
     from sparse_rl_mega.studies.statistics import over_seeds
-    from tools.ablation import parse_seeds
+    from sparse_rl_mega.studies.ablation import parse_seeds
 
     config = write_test_config(tmp_path / "s.yaml", tiny_model_dir, tmp_path / "run",
                                f"eval: {{path: {TRAIN_DATA}, kv: dense}}")
@@ -142,7 +143,7 @@ def test_seeded_runs_are_drawn_as_their_mean_over_seeds(tmp_path):
     standard error across them (by hand: 0.2 and 0.4 -> 0.3 +- 0.1; a step one seed lacks: that seed's
     value alone, s.e. 0); the figure is written."""
     from sparse_rl_mega.studies.statistics import mean_curve, plot_groups
-    from tools.ablation import plot
+    from sparse_rl_mega.studies.plots import plot
 
     assert plot_groups({"naive_s1": {}, "dense_s1": {}, "naive_s2": {}}) == {"naive": ["naive_s1", "naive_s2"],
                                                                           "dense": ["dense_s1"]}

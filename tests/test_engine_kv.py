@@ -36,7 +36,7 @@ def test_evaluate_runs_the_release_rkv_it_is_given(evicting_engine, hf_model, ti
     """tools/evaluate.py's request for the paper's release R-KV (``--selection shared --sink 0``; kernel 7
     and lambda 0.1 by default; the engine's window and interval) keeps, on the engine, the tokens the
     reference decoder keeps with that policy built from those values."""
-    from tools.evaluate import kv_base, parse_args, parse_kv
+    from sparse_rl_mega.cli.evaluate import kv_base, parse_args, parse_kv
 
     args = parse_args([str(tiny_model_dir), "--benchmarks", "unused", "--kv", f"rkv:{ENGINE_KV['budget']}",
                        "--selection", "shared", "--sink", "0", "--window", str(ENGINE_KV["window"]),

@@ -13,8 +13,8 @@ from sparse_rl_mega.train.tracking import default_tracking_uri
 from tests.conftest import ROOT, TRAIN_DATA, greedy_correct, run_tool
 from sparse_rl_mega.train.evaluation import pass_at_k
 from sparse_rl_mega.cli.preflight import response_room
-from tools import evaluate
-from tools.evaluate import UsageError, parse_kv
+from sparse_rl_mega.cli import evaluate
+from sparse_rl_mega.cli.kv_settings import UsageError, parse_kv
 
 
 def test_pass_at_k_matches_enumeration():
@@ -198,7 +198,7 @@ def test_a_checkpoint_is_recognised_by_the_learners_marker(tmp_path):
 
 @pytest.mark.unit
 def test_the_missing_data_hint_names_the_benchmark():
-    from tools.prepare_data import DEFAULT_OUT
+    from sparse_rl_mega.data.prepare import DEFAULT_OUT
 
     assert evaluate.missing_benchmark_hint("gsm8k", DEFAULT_OUT) == \
         "make it with: python tools/prepare_data.py --benchmarks gsm8k"

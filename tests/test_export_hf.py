@@ -184,7 +184,7 @@ def _fake_checkpoint(root: Path, marker: dict) -> Path:
 
 
 def test_export_errors(tmp_path, capsys, monkeypatch):
-    from tools.export_hf import main
+    from sparse_rl_mega.cli.export_hf import main
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # (main() sets it as a user's process; this test's ends with it)
 

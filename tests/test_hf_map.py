@@ -200,7 +200,7 @@ def test_rope_scaling_round_trips_through_config_map_and_export(tmp_path, rope_s
     """An arch with RoPE scaling written as config.json by the tiny model's writer reads back equal; its
     weights round trip HF -> Megatron -> HF bit for bit; the export's copy of config.json (its dtype
     rewritten) keeps the rope section as it was, and reads back the same arch."""
-    from tools.export_hf import copy_model_files
+    from sparse_rl_mega.learner.export import copy_model_files
 
     arch, state = _saved_llama(tmp_path / "hf", rope_scaling)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())

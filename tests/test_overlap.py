@@ -29,7 +29,7 @@ import pytest
 
 from sparse_rl_mega.train.step_metrics import dense_k3_bound
 from tests.conftest import ROOT, run_tool, write_test_config
-from tools.bench_overlap import SEPARATE
+from sparse_rl_mega.studies.overlap import SEPARATE
 from sparse_rl_mega.train.run_records import compare, final_state, metrics_by_iteration
 
 ITERATIONS = 5

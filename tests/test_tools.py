@@ -60,7 +60,7 @@ def test_a_tool_started_from_another_python_says_which_python_runs_it(script):
     done = run_captured([base, ROOT / "tools" / script, "--help"], 60)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
-    assert lines[0].startswith(f"sparse-rl-mega: this Python ({base}) has no torch") and \
+    assert lines[0].startswith(f"sparse-rl-mega: this Python ({base}) does not have the project installed") and \
         f"{ROOT / '.venv' / 'bin' / 'python'} tools/launch.py CONFIG" in lines[0], lines[0]
 
 
@@ -75,7 +75,7 @@ def test_gpu_check_on_a_cpu_machine_runs_the_cpu_part_and_says_the_gpu_parts_did
     """On a machine without CUDA: exit 2 (parts NOT RUN, each with its reason), the CPU part PASS, log
     and JSON written. (Its CPU part here is one small module: the four it runs by default are in the
     suite anyway.)"""
-    from tools.gpu_check import PARTS
+    from sparse_rl_mega.cli.gpu_check import PARTS
 
     done = run_captured(["bash", ROOT / "tools" / "gpu_check.sh", "--out", tmp_path], 600,
                         env={"PYTHON": sys.executable, "GPU_CHECK_CPU_TESTS": "tests/test_cpu_shims.py"})
@@ -97,7 +97,7 @@ def test_gpu_check_dry_run_builds_a_wheel_set_that_installs_without_an_index(tmp
     """--dry-run here: megatron-core for CPython 3.12 and the project's wheel, under the 64 MiB a lent
     GPU machine takes with the tree, installed into a Python 3.12 target with no index (when one is on
     this machine: pyenv's, here), and every part reported NOT RUN with its reason. --help is usage."""
-    from tools.gpu_check import CARRY_LIMIT, PARTS
+    from sparse_rl_mega.cli.gpu_check import CARRY_LIMIT, PARTS
 
     wheels = tmp_path / "wheels"
     done = run_captured(["bash", ROOT / "tools" / "gpu_check.sh", "--dry-run", "--wheels", wheels, "--out",
@@ -120,7 +120,7 @@ def test_gpu_check_reads_each_tests_outcome_and_figures(tmp_path):
     """How the check judges a part from pytest's JUnit XML: a failure fails it (with the message), tests
     all skipped leave it NOT RUN with their reasons, a pass with an optional skip passes and lists it;
     the figures a test prints reach the JSON."""
-    from tools.gpu_check import Report, judge, printed_figures, pytest_outcomes
+    from sparse_rl_mega.cli.gpu_check import Report, judge, printed_figures, pytest_outcomes
 
     tests = tmp_path / "test_parts.py"
     tests.write_text("""import pytest
@@ -162,7 +162,7 @@ def test_gpu_step_check_runs_its_step_on_the_cpu_in_a_tiny_shape(tmp_path):
     """The GPU check's learner step (tests/helpers/gpu_step_check.py) in a tiny shape on the CPU: its
     figures are written and read as tools/gpu_check.py reads them (no memory figure without CUDA)."""
     from tests.conftest import run_torchrun
-    from tools.gpu_check import step_summary
+    from sparse_rl_mega.cli.gpu_check import step_summary
 
     out = tmp_path / "step.json"
     proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_step_check.py", out, "--shape", "tiny", "--seq", "64",
@@ -179,7 +179,7 @@ def test_gpu_ipc_check_hands_buckets_over_on_the_cpu_bit_for_bit(tmp_path):
     """The GPU check's push hand-over (tests/helpers/gpu_ipc_check.py) on the CPU, where the buffers
     travel as shared memory: several buckets of the tiny shape, every HF tensor bit for bit."""
     from tests.conftest import run_torchrun
-    from tools.gpu_check import ipc_summary
+    from sparse_rl_mega.cli.gpu_check import ipc_summary
 
     out = tmp_path / "ipc.json"
     proc = run_torchrun(ROOT / "tests" / "helpers" / "gpu_ipc_check.py", out, "--shape", "tiny", "--dtype", "float32",

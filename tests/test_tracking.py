@@ -61,7 +61,7 @@ def test_metrics_wait_for_a_server_that_went_away_and_none_is_lost(tmp_path, mon
     from sparse_rl_mega.config import load_config
     from sparse_rl_mega.train.tracking import UNSENT_FILE, Tracker
     from tests.conftest import ROOT, run_captured
-    from tools.chaos import TrackingServer
+    from sparse_rl_mega.studies.chaos import TrackingServer
 
     for proxy in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
         monkeypatch.delenv(proxy, raising=False)

@@ -28,23 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 # before torch is imported (by the package below): the launches' server is forked from this process, and
 # torch's OpenMP pool must not have started threads in it
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import _bootstrap  # noqa: E402, F401 (tools/_bootstrap.py: the package, or which Python runs the tools)
 from sparse_rl_mega.cli.launches import run_launch, start_launch_server  # noqa: E402
-
-SEPARATE = ["parallel.nproc_per_node=1", "parallel.pipeline_model_parallel_size=1", "rollout.placement=separate",
-            "trainer.sync_method=broadcast", "checkpoint.save_interval=0"]
-
+from sparse_rl_mega.studies.overlap import SEPARATE, run_metrics, summarize  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,44 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_overlap"), help="parent of the run folders")
     p.add_argument("--json", default=None, help="write all figures here")
     return p.parse_args(argv)
-
-
-def run_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    """Every metric of the run folder's MLflow store, by iteration (0-based)."""
-    from sparse_rl_mega.train.run_records import metrics_by_iteration
-
-    return metrics_by_iteration(run_dir, skip=())
-
-
-def summarize(runs: list[dict[int, dict[str, float]]]) -> dict[str, float]:
-    """Means over every run's iterations after the first."""
-    rows = [m for metrics in runs for step, m in sorted(metrics.items()) if step > 0]
-    half = [m for metrics in runs for step, m in sorted(metrics.items()) if step >= len(metrics) // 2]
-
-    def mean(key, of=rows):
-        return statistics.fmean(m.get(key, 0.0) for m in of)
-
-    def mean_present(key):  # over the iterations that report it (NaN: none)
-        values = [m[key] for m in rows if key in m]
-        return statistics.fmean(values) if values else float("nan")
-    return {
-        "iteration_s": mean("time/iteration_s"),
-        "learner_wait_s": mean("time/learner_wait_s"),
-        "engine_idle_s": mean("time/engine_idle_s"),
-        "generate_s": mean("time/generate_s"),
-        "learner_compute_s": mean("time/logp_old_s") + mean("time/train_s"),
-        "sync_s": mean("time/sync_s"),
-        "samples_per_s": mean("rollout/samples") / mean("time/iteration_s"),
-        "staleness_mean": mean("rollout/staleness_mean"),
-        "token_staleness_mean": mean("rollout/token_staleness_mean"),
-        "multi_version_fraction": mean("rollout/multi_version_fraction"),
-        "paused_generations": mean("sync/paused_generations"),
-        "k3": mean("mismatch/k3"),
-        "k3_resumed": mean_present("mismatch/k3_resumed"),
-        "reward_mean": mean("reward/mean", [m for metrics in runs for m in metrics.values()]),
-        "reward_mean_second_half": mean("reward/mean", half),
-        "iterations_timed": float(len(rows)),
-    }
 
 
 def main(argv=None) -> int:

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import _bootstrap  # noqa: E402, F401 (tools/_bootstrap.py: the package, or which Python runs the tools)
 from sparse_rl_mega.kv import PolicyError, build_policy  # noqa: E402 (after the path)
 from sparse_rl_mega.kv.registry import policy_class, policy_names  # noqa: E402 (after the path)
 

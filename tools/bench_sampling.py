@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tools.bench_rollout import DEFAULT_MODEL, ensure_model  # noqa: E402 (after the path; the same model)
+import _bootstrap  # noqa: E402, F401 (tools/_bootstrap.py: the package, or which Python runs the tools)
+from bench_rollout import DEFAULT_MODEL, ensure_model  # noqa: E402 (the same model; tools/ is the script's folder)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -10,4 +10,5 @@
 # Uses the Python on PATH (python3, the one that holds a CUDA torch there) or $PYTHON.
 set -u
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
+# (as a module from the root: the lent machine has no project installed)
+exec "${PYTHON:-python3}" -m sparse_rl_mega.cli.gpu_check "$@"

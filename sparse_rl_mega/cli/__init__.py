@@ -1,2 +1,2 @@
-"""What the command-line tools use beside the loop: pre-flight checks, the memory planner, launches of
-one config forked from one process."""
+"""The command-line programs behind tools/ (launch, evaluate, export, data, the GPU check) and what they
+use beside the loop: pre-flight checks, the memory planner, launches of one config forked from one process."""

@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from sparse_rl_mega.cli.launch import LAUNCH_SCRIPT
 from sparse_rl_mega.config import ConfigError, load_config
 from sparse_rl_mega.runtime.warm_fork import Descriptor, WarmProcess, run_script
 from sparse_rl_mega.runtime.jobs import STOP_WITH_PARENT_ENV
 from sparse_rl_mega.train.forked_ranks import start_job_rank_server
 
-LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "launch.py"
 
 
 def start_launch_server(config: str, overrides: list[str]) -> bool:

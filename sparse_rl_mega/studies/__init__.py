@@ -1,1 +1,2 @@
-"""Studies over several runs (ablations, budget maps): their statistics."""
+"""Programs over several launches of one config (ablations, chaos trials) and what they read and draw:
+their statistics, run store readers and figures."""

@@ -148,3 +148,14 @@ def _versions_of(sample: GeneratedSample) -> list[int]:
     if len(sample.token_versions) != len(sample.response_ids):
         raise ValueError(f"{len(sample.token_versions)} token versions for {len(sample.response_ids)} response tokens")
     return list(sample.token_versions)
+
+
+def data_parallel_rows(batch_size: int, global_batch_size: int, dp_size: int, dp_rank: int) -> torch.Tensor:
+    """``[batch_size / dp_size]`` int64: the rows of a rollout batch that data-parallel rank ``dp_rank``
+    trains on: for optimizer step k, slice ``dp_rank`` of the k-th global batch, so the same global rows
+    form step k for any DP size. Each rank's slice holds whole GRPO groups when the slice is a multiple
+    of the group size (config/validation.py refuses other layouts)."""
+    share = global_batch_size // dp_size
+    rows = [torch.arange(k * global_batch_size + dp_rank * share, k * global_batch_size + (dp_rank + 1) * share)
+            for k in range(batch_size // global_batch_size)]
+    return torch.cat(rows)

@@ -253,3 +253,46 @@ def test_the_configuration_reference_is_current_and_documents_every_key():
     undocumented = [key for _, cls, rows in sections(RunConfig) for key, _, _, comment in rows
                     if not comment and f"``{key.rsplit('.', 1)[-1]}``" not in (cls.__doc__ or "")]
     assert undocumented == [], "say what each does (a comment at the field)"
+
+
+def test_every_accepted_batch_split_gives_each_data_parallel_rank_whole_groups_and_the_ranks_all_rows(tmp_path):
+    """The trainer checks no split with a collective: for every layout the config accepts (DP 1-4, groups
+    of 2-4, 1-3 optimizer steps), ``data_parallel_rows`` over the ranks is a partition of the batch in
+    which every GRPO group (consecutive rows) lies whole on one rank, and step k's rows are the k-th global
+    batch whatever the DP size. Plant: a rank's slice one row late, and this fails."""
+    import torch
+
+    from sparse_rl_mega.batch import data_parallel_rows
+
+    base = yaml.safe_load((ROOT / "examples" / "cpu_tiny.yaml").read_text())
+    checked = 0
+    for dp in (1, 2, 3, 4):
+        for group in (2, 3, 4):
+            for prompts in range(1, 13):
+                for steps in (1, 2, 3):
+                    raw = yaml.safe_load(yaml.safe_dump(base))
+                    raw["parallel"].update(nproc_per_node=dp, tensor_model_parallel_size=1,
+                                           pipeline_model_parallel_size=1)
+                    raw["rollout"]["n_samples_per_prompt"] = group
+                    raw["data"]["prompts_per_iteration"] = prompts
+                    if (prompts * group) % steps:
+                        continue
+                    raw["trainer"].update(global_batch_size=prompts * group // steps, micro_batch_size=1)
+                    path = tmp_path / "c.yaml"
+                    path.write_text(yaml.safe_dump(raw))
+                    try:
+                        cfg = load_config(str(path))
+                    except (ConfigError, SystemExit):
+                        continue
+                    size, global_batch = prompts * group, cfg.trainer.global_batch_size
+                    parts = [data_parallel_rows(size, global_batch, dp, r) for r in range(dp)]
+                    assert sorted(torch.cat(parts).tolist()) == list(range(size))
+                    for rows in parts:
+                        groups = {row // group for row in rows.tolist()}
+                        assert len(rows) == len(groups) * group, (dp, group, prompts, steps)
+                    for k in range(size // global_batch):  # step k: the k-th global batch on every DP size
+                        share = global_batch // dp
+                        step_rows = torch.cat([p[k * share:(k + 1) * share] for p in parts])
+                        assert sorted(step_rows.tolist()) == list(range(k * global_batch, (k + 1) * global_batch))
+                    checked += 1
+    assert checked >= 60, checked

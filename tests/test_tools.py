@@ -16,7 +16,9 @@ import pytest
 
 from tests.conftest import ROOT, TRAIN_DATA, run_captured, run_tool
 
-SCRIPTS = sorted(p.name for p in (ROOT / "tools").iterdir() if p.suffix in (".py", ".sh") and p.is_file())
+# (tools/_bootstrap.py is no script: every Python tool imports it first)
+SCRIPTS = sorted(p.name for p in (ROOT / "tools").iterdir()
+                 if p.suffix in (".py", ".sh") and p.is_file() and not p.name.startswith("_"))
 # where each script is run for real (this module or another)
 RUN_BY = {
     "ablation.py": "tests/test_ablation.py", "bench_overlap.py": "tests/test_overlap.py",
@@ -36,6 +38,24 @@ def test_every_tool_is_run_somewhere():
     assert sorted(RUN_BY) == SCRIPTS, "a new script in tools/: run it in a test and list it in RUN_BY"
     for script, where in RUN_BY.items():
         assert script in (ROOT / where).read_text(), (script, where)
+
+
+@pytest.mark.unit
+def test_every_python_tool_is_thin_over_the_installed_package():
+    """No tool edits ``sys.path`` (the package is installed: ``make env``), each imports tools/_bootstrap.py
+    before the package, and none is imported by a test. Plant: a ``sys.path.insert`` in a tool, and this
+    fails."""
+    for script in SCRIPTS:
+        if not script.endswith(".py"):
+            continue
+        text = (ROOT / "tools" / script).read_text()
+        assert "sys.path" not in text, f"tools/{script} edits sys.path"
+        if "sparse_rl_mega" in text.replace("sparse_rl_mega/", ""):
+            assert text.index("import _bootstrap") < text.index("from sparse_rl_mega"), script
+    imported = [f"{path.relative_to(ROOT)}: {line.strip()}" for path in sorted((ROOT / "tests").rglob("*.py"))
+                for line in path.read_text().splitlines()
+                if line.lstrip().startswith(("from tools", "import tools"))]
+    assert imported == [], imported
 
 
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s.endswith(".py")])

@@ -5,6 +5,7 @@ setting checked as the engine will check it."""
 from __future__ import annotations
 
 import dataclasses
+
 from sparse_rl_mega.config import KVCompressionConfig, load_config_or_exit
 from sparse_rl_mega.config.evaluation import AUTO, parse_kv_variants
 from sparse_rl_mega.kv.engine_settings import EngineKVSettings
@@ -21,7 +22,6 @@ class UsageError(ValueError):
 def default_kv():
     """The KV fields without --config: the run config's defaults, compressing every 16 decode steps
     (sink and window are then derived from each budget: :func:`budget_defaults`)."""
-
     return KVCompressionConfig(interval=16)
 
 

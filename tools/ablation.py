@@ -2,12 +2,7 @@
 """Train the same config under several rollout/correction variants and compare them side by side
 (``--help`` says how); the program is sparse_rl_mega/studies/ablation.py (also installed as
 ``sparse-rl-ablation``)."""
-import os
 import sys
-
-# before torch is imported (by the package): the launches' server is forked from this process, and
-# torch's OpenMP pool must not have started threads in it
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import _bootstrap  # noqa: F401 (tools/_bootstrap.py: the package, or which Python runs the tools)
 from sparse_rl_mega.studies.ablation import main

@@ -50,8 +50,8 @@ from sparse_rl_mega.runtime.checkpoint_files import MARKER
 from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 from sparse_rl_mega.train.evaluation import evaluate_on_engine, scalar_items
 from sparse_rl_mega.train.tracking import default_tracking_uri
+from sparse_rl_mega.runtime.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # SGLang 0.5.23 takes a model's context length from the first of these config.json keys, 2048 without
 # any (srt/utils/hf_transformers/common.py: get_context_length)

@@ -35,8 +35,8 @@ from sparse_rl_mega.learner.export import ShardWriter, copy_model_files, put_in_
 from sparse_rl_mega.runtime.checkpoint_files import MARKER, newest_verified, read_marker, resume_candidates, verify
 from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 from sparse_rl_mega.train.forked_ranks import run_script_ranks, start_rank_server
+from sparse_rl_mega.runtime.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EXPORT_SCRIPT = ROOT / "tools" / "export_hf.py"  # what every rank runs
 
 # what a rank imports: the learner's model, its checkpoints and the HF weight map

@@ -38,7 +38,8 @@ import warnings
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from sparse_rl_mega.runtime.paths import ROOT  # (the package's only module it imports)
+
 WHEELS = ROOT / ".gpu_wheels"
 CARRY_LIMIT = 64 * 2**20  # what the lent machine takes with the working tree (the tree counts too)
 MEGATRON = "megatron-core==0.16.1"

@@ -27,7 +27,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from sparse_rl_mega.cli.describe import describe_layout, resume_hint
 from sparse_rl_mega.cli.preflight import preflight
@@ -41,9 +40,10 @@ from sparse_rl_mega.runtime.jobs import (FolderLocked, LOCK_HELD_ENV, STOP_WITH_
 from sparse_rl_mega.runtime.quiet import quiet_known_warnings
 from sparse_rl_mega.train.forked_ranks import run_on_this_node, start_job_rank_server
 from sparse_rl_mega.train.tracking import end_left_running
+from sparse_rl_mega.runtime.paths import ROOT
 
 LAUNCHED_AT_ENV = "SPARSE_RL_MEGA_LAUNCHED_AT"  # the launch's start, from this process to its torchrun workers
-LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "launch.py"  # what torchrun runs on every rank
+LAUNCH_SCRIPT = ROOT / "tools" / "launch.py"  # what torchrun runs on every rank
 warm_fork.read_after_start(LAUNCHED_AT_ENV)
 
 

@@ -14,10 +14,10 @@ import io
 import sys
 import tokenize
 import typing
-from pathlib import Path
 from typing import Any
+from sparse_rl_mega.runtime.paths import ROOT
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
+PAGE = ROOT / "docs" / "config-reference.md"
 HEADER = """# Configuration reference
 
 Generated from the config dataclasses (`sparse_rl_mega/config/`) by `python -m

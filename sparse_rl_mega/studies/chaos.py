@@ -48,8 +48,8 @@ from sparse_rl_mega.runtime.faults import FAULT_ENV, TRACKING_SERVER_PID_ENV, Fa
 from sparse_rl_mega.train.run_records import compare, final_state, metrics_by_iteration
 from sparse_rl_mega.runtime.ports import free_port
 from sparse_rl_mega.runtime.quiet import quiet_known_warnings
+from sparse_rl_mega.runtime.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 TARGETS = ["kill-engine", "stop-engine", "kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1", "kill-launcher",
            "full-disk", "corrupt-checkpoint", "kill-tracking"]

@@ -25,6 +25,7 @@ import yaml
 
 from sparse_rl_mega.config import RunConfig
 from sparse_rl_mega.runtime.cache import cache_dir
+from sparse_rl_mega.runtime.paths import ROOT
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -307,11 +308,10 @@ class Tracker:
         """One line: how to look at this run in MLflow's UI."""
         if self.tracking_uri != default_tracking_uri(self.run_dir):
             return f"MLflow run {self.run_name!r} ({self.run_id}) at {self.tracking_uri}"
-        root = Path(__file__).resolve().parents[2]  # (where the Makefile is)
-        if Path.cwd().resolve() == root and self.run_dir.is_relative_to(root):
-            command = f"make mlflow-ui RUN={self.run_dir.relative_to(root)}"
+        if Path.cwd().resolve() == ROOT and self.run_dir.is_relative_to(ROOT):
+            command = f"make mlflow-ui RUN={self.run_dir.relative_to(ROOT)}"
         else:
-            command = f"make -C {root} mlflow-ui RUN={self.run_dir}"
+            command = f"make -C {ROOT} mlflow-ui RUN={self.run_dir}"
         return f"MLflow run {self.run_name!r}: {command}, then open http://127.0.0.1:5000"
 
     def _exists(self, run_id: str) -> bool:

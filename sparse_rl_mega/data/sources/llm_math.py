@@ -24,7 +24,7 @@ def _text(row: dict, key: str) -> str:
     return value
 
 
-def _gsm8k(row: dict, position: int, split: str) -> Problem:
+def gsm8k_row(row: dict, position: int, split: str) -> Problem:
     question, answer = _text(row, "question"), _text(row, "answer")
     if "####" not in answer:
         raise Skip("answer has no '####' gold line")
@@ -38,13 +38,13 @@ def _gsm8k(row: dict, position: int, split: str) -> Problem:
     return Problem(question, label, f"gsm8k/{split}/{row.get('idx', position)}", easy)
 
 
-def _math500(row: dict, position: int) -> Problem:
+def math500_row(row: dict, position: int) -> Problem:
     question, label = _text(row, "problem"), _text(row, "answer").strip()
     easy = row.get("level") in (1, "1", "Level 1") and _INTEGER.fullmatch(label) is not None
     return Problem(question, label, str(row.get("unique_id", f"math500/{position}")), easy)
 
 
-def _math(row: dict, position: int, split: str) -> Problem:
+def math_row(row: dict, position: int, split: str) -> Problem:
     question, solution = _text(row, "problem"), _text(row, "solution")
     label = last_boxed(solution)
     if not label:
